@@ -1,0 +1,150 @@
+"""Collectives on aegis' own process group, with one error for the whole job.
+
+Every call here is collective: all ranks of the group call it, in the same order. A phase run
+through :meth:`Group.run_all` catches each rank's exception, gathers them, and raises the same
+:class:`CollectiveError` on every rank, so no rank is left waiting for one that failed.
+
+``pg=None`` means a single process without torch.distributed: every collective is local.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from aegis import errors
+from aegis.errors import AegisError, CollectiveError, SnapshotTimeoutError
+
+T = TypeVar("T")
+
+__all__ = ["Group", "new_snapshot_group", "node_id"]
+
+_SAME_TYPE: dict[str, type[AegisError]] = {
+    c.__name__: c
+    for c in (
+        errors.ConfigError,
+        errors.ManifestError,
+        errors.StoreFullError,
+        errors.StateMismatchError,
+        errors.NoSnapshotError,
+        errors.SnapshotTimeoutError,
+    )
+}
+
+
+def node_id() -> str:
+    """This node's id: ``AEGIS_NODE_ID`` when set (simulated nodes), else the hostname."""
+    import os
+
+    return os.environ.get("AEGIS_NODE_ID") or socket.gethostname()
+
+
+def new_snapshot_group(timeout: timedelta) -> dist.ProcessGroup | None:
+    """A dedicated gloo group for snapshot traffic. Collective: every rank calls it once.
+
+    Snapshot traffic never shares the training group: DCP on the default group was measured to
+    corrupt concurrent training collectives.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.new_group(backend="gloo", timeout=timeout)
+
+
+def _is_timeout(e: BaseException) -> bool:
+    text = str(e).lower()
+    return "timed out" in text or "timeout" in text
+
+
+class Group:
+    def __init__(self, pg: dist.ProcessGroup | None) -> None:
+        self.pg = pg
+        self.rank = dist.get_rank(pg) if pg is not None else 0
+        self.world = dist.get_world_size(pg) if pg is not None else 1
+
+    def _guard(self, what: str, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except AegisError:
+            raise
+        except Exception as e:  # gloo raises RuntimeError on timeouts and lost peers
+            if _is_timeout(e):
+                raise SnapshotTimeoutError(
+                    f"aegis {what}: a peer did not answer within the snapshot timeout ({e}); "
+                    "it is frozen or dead"
+                ) from e
+            raise AegisError(f"aegis {what}: collective failed ({e}); a peer is likely gone") from e
+
+    def all_gather(self, obj: T, what: str = "all_gather") -> list[T]:
+        if self.pg is None:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        self._guard(what, lambda: dist.all_gather_object(out, obj, group=self.pg))
+        return out
+
+    def gather(self, obj: T, what: str = "gather") -> list[T] | None:
+        if self.pg is None:
+            return [obj]
+        out: list[Any] | None = [None] * self.world if self.rank == 0 else None
+        dst = dist.get_global_rank(self.pg, 0)
+        self._guard(what, lambda: dist.gather_object(obj, out, dst=dst, group=self.pg))
+        return out
+
+    def broadcast(self, obj: T | None, what: str = "broadcast") -> T:
+        if self.pg is None:
+            assert obj is not None
+            return obj
+        box = [obj]
+        src = dist.get_global_rank(self.pg, 0)
+        self._guard(what, lambda: dist.broadcast_object_list(box, src=src, group=self.pg))
+        return box[0]  # type: ignore[return-value]
+
+    def scatter(self, objs: list[T] | None, what: str = "scatter") -> T:
+        if self.pg is None:
+            assert objs is not None
+            return objs[0]
+        out: list[Any] = [None]
+        src = dist.get_global_rank(self.pg, 0)
+        self._guard(
+            what,
+            lambda: dist.scatter_object_list(out, objs if self.rank == 0 else None, src=src, group=self.pg),
+        )
+        return out[0]
+
+    def all_reduce_max(self, values: list[int], what: str = "all_reduce") -> list[int]:
+        if self.pg is None:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.int64)
+        self._guard(what, lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg))
+        return [int(x) for x in t.tolist()]
+
+    def barrier(self, what: str = "barrier") -> None:
+        if self.pg is not None:
+            self.all_reduce_max([0], what)
+
+    def run_all(self, phase: str, fn: Callable[[], T]) -> list[T]:
+        """Run ``fn`` on every rank; return all results, or raise one error on every rank."""
+        local: Exception | None = None
+        try:
+            result: tuple[bool, Any] = (True, fn())
+        except Exception as e:  # noqa: BLE001 - reported to every rank below
+            result = (False, (type(e).__name__, str(e)))
+            local = e
+        results = self.all_gather(result, phase)
+        failures = {r: value for r, (ok, value) in enumerate(results) if not ok}
+        if not failures:
+            return [value for _, value in results]
+        if self.world == 1 and local is not None:
+            raise local
+        kinds = {kind for kind, _ in failures.values()}
+        error = CollectiveError(phase, {r: msg for r, (_, msg) in failures.items()})
+        # Keep the error's type when every failing rank agrees on a plain aegis error type, so
+        # callers can catch e.g. StoreFullError the same way on every rank.
+        cls = _SAME_TYPE.get(kinds.pop()) if len(kinds) == 1 else None
+        if cls is not None:
+            raise cls(str(error)) from local
+        raise error from local

@@ -1,0 +1,348 @@
+"""DCP ``StorageWriter``/``StorageReader`` over shard files in a node store.
+
+The writer is split in two halves so the engine can run them apart:
+
+* :func:`stage` - the blocking half: copy every tensor of the rank's final save plan straight to
+  its planned offset in a mapped slot, and serialize the (small) non-tensor items.
+* :func:`complete` - the background half: crc32c per chunk, bytes region, index and footer.
+
+:class:`ShardWriter` runs both in ``write_data`` so that plain ``dcp.save(...,
+storage_writer=ShardWriter(...))`` works too (all ranks on one node). :class:`ShardReader` serves
+``dcp.load`` from the shard files of any rank, which is what resharding and DCP's de-duplication
+(an item saved by one rank, needed by all) require.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import mmap
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.futures import Future
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+
+from aegis.snapshot.manifest import (
+    ChunkRecord,
+    ItemRecord,
+    Manifest,
+    ShardLocation,
+    ShardRecord,
+    dtype_from_name,
+)
+from aegis.snapshot.node_store import NodeStore, Slot
+from aegis.snapshot.shard import (
+    ShardIndex,
+    ShardLayout,
+    crc32c,
+    encode_tail,
+    finish_layout,
+    plan_layout,
+)
+
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "StagedShard",
+    "stage",
+    "complete",
+    "ShardWriter",
+    "ShardReader",
+    "SafeLoadPlanner",
+]
+
+DEFAULT_CHUNK_BYTES = 16 << 20
+
+
+def _narrow(t: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
+    """The hypercube [offsets, offsets + lengths) of ``t`` (DCP's resharding read)."""
+    for dim, (off, length) in enumerate(zip(offsets, lengths, strict=True)):
+        if off != 0 or length != t.size(dim):
+            t = t.narrow(dim, off, length)
+    return t
+
+
+@dataclass
+class StagedShard:
+    """A rank's shard after the blocking copy, waiting for :func:`complete`."""
+
+    step: int
+    rank: int
+    layout: ShardLayout
+    slot: Slot
+    payloads: list[bytes]
+    copy_s: float
+
+
+def stage(step: int, rank: int, layout: ShardLayout, slot: Slot, planner: SavePlanner) -> StagedShard:
+    """Copy the rank's state into ``slot``. The only part of a save that blocks training.
+
+    Tensors land at their planned offsets (one copy, no intermediate buffer); byte items are
+    serialized by the planner (DCP's ``torch.save`` of small objects).
+    """
+    t0 = time.perf_counter()
+    view = slot.view
+    with torch.no_grad():
+        for t in layout.tensors:
+            src = planner.resolve_data(t.item)
+            assert isinstance(src, torch.Tensor)
+            dst = view[t.file_offset:t.file_offset + t.nbytes].view(t.dtype).view(t.shape)
+            dst.copy_(src.detach())
+    payloads = []
+    for item in layout.byte_items:
+        data = planner.resolve_data(item)
+        assert isinstance(data, io.BytesIO)
+        payloads.append(data.getvalue())
+    return StagedShard(step, rank, layout, slot, payloads, time.perf_counter() - t0)
+
+
+def complete(staged: StagedShard, *, job: str, node: str) -> ShardRecord:
+    """Checksum the staged shard and write its bytes region, index and footer."""
+    layout = staged.layout
+    records, chunk_ranges, offsets, data_end = finish_layout(layout, staged.payloads)
+    region = bytearray(data_end - layout.tensor_end)
+    for off, payload in zip(offsets, staged.payloads, strict=True):
+        start = off - layout.tensor_end
+        region[start:start + len(payload)] = payload
+    mem = staged.slot.memory
+    chunks = []
+    for off, length, dtype in chunk_ranges:
+        if off < layout.tensor_end:
+            crc = crc32c(mem[off:off + length])
+        else:
+            start = off - layout.tensor_end
+            crc = crc32c(memoryview(region)[start:start + length])
+        chunks.append(ChunkRecord(off, length, crc, dtype))
+    mem.release()
+    index = ShardIndex(job=job, step=staged.step, rank=staged.rank, chunks=tuple(chunks), items=tuple(records))
+    tail, icrc = encode_tail(index)
+    payload_writes = [(layout.tensor_end, bytes(region))] if region else []
+    size = staged.slot.write_tail(payload_writes, tail, data_end)
+    return ShardRecord(
+        rank=staged.rank,
+        node=node,
+        size=size,
+        index_crc32c=icrc,
+        chunks=index.chunks,
+        items=index.items,
+    )
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, but non-tensor items never execute code from the snapshot:
+    they are loaded with ``torch.load(weights_only=True)``."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+class ShardWriter(StorageWriter):
+    """Plain DCP ``StorageWriter`` writing one shard per rank into a node store.
+
+    Collective use, as with any DCP writer: every rank calls ``dcp.save(state,
+    storage_writer=ShardWriter(store, step))``. ``finish`` (coordinator only) reads each rank's
+    shard index back from the node store, so this path needs every rank on one node; the
+    :class:`~aegis.snapshot.engine.SnapshotEngine` gathers shard records over its own group.
+    """
+
+    def __init__(self, store: NodeStore, step: int, *, node: str = "local",
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+        super().__init__()
+        self.store = store
+        self.step = step
+        self.node = node
+        self.chunk_bytes = chunk_bytes
+        self.rank = 0
+        self.is_coordinator = False
+        self.started = time.time()
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self.started = time.time()
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank = int(kwargs.get("rank", 0))
+        self.store.create()
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return plans
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        layout = plan_layout(plan.items, chunk_bytes=self.chunk_bytes)
+        path = self.store.shard_path(self.step, self.rank)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        slot = Slot(path)
+        try:
+            slot.ensure(layout.tensor_end)
+            record = complete(stage(self.step, self.rank, layout, slot, planner), job=self.store.job,
+                              node=self.node)
+        finally:
+            slot.close()
+        by_key = {(i.fqn, i.offset): i for i in record.items}
+        results = []
+        for item in plan.items:
+            offset = tuple(item.index.offset) if item.index.offset is not None else None
+            rec = by_key[(item.index.fqn, offset)]
+            results.append(
+                WriteResult(
+                    index=item.index,
+                    size_in_bytes=rec.length,
+                    storage_data=ShardLocation(self.rank, rec.file_offset, rec.length),
+                )
+            )
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        shards = []
+        for rank in range(len(results)):
+            index, size, icrc = self.store.read_shard_index(self.step, rank)
+            shards.append(ShardRecord(rank, self.node, size, icrc, index.chunks, index.items))
+        manifest = Manifest(
+            job=self.store.job,
+            step=self.step,
+            world_size=len(results),
+            shards=tuple(shards),
+            entries=Manifest.entries_from_dcp(metadata),
+            planner_data={k: tuple(v) for k, v in (metadata.planner_data or {}).items()},
+            created=self.started,
+        )
+        self.store.write_manifest(manifest)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=str(self.store.step_dir(self.step)))
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return False
+
+
+class ShardReader(StorageReader):
+    """DCP ``StorageReader`` over local shard files of one committed snapshot.
+
+    ``paths`` maps each rank of the snapshot to a local file holding that rank's shard (own
+    store, or a copy fetched from a peer or the durable tier). Verify the shards before loading:
+    the reader trusts the bytes it maps.
+    """
+
+    def __init__(self, manifest: Manifest, paths: Mapping[int, str | os.PathLike[str]]) -> None:
+        super().__init__()
+        self.manifest = manifest
+        self.paths = {r: Path(p) for r, p in paths.items()}
+        self._items: dict[tuple[int, str, tuple[int, ...] | None], ItemRecord] = {
+            (s.rank, i.fqn, i.offset): i for s in manifest.shards for i in s.items
+        }
+        self._maps: dict[int, mmap.mmap] = {}
+        self.bytes_read = 0
+        self.bytes_by_rank: dict[int, int] = {}
+        self.seconds_by_rank: dict[int, float] = {}
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        pass
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return self.manifest.to_dcp_metadata()
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
+                              **kwargs: Any) -> None:
+        self.storage_data: dict[MetadataIndex, ShardLocation] = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def _map(self, rank: int) -> mmap.mmap:
+        m = self._maps.get(rank)
+        if m is None:
+            path = self.paths.get(rank)
+            if path is None:
+                raise FileNotFoundError(
+                    f"shard of rank {rank} for step {self.manifest.step} is not available locally"
+                )
+            with open(path, "rb") as f:
+                # Private copy-on-write mapping: writable for torch.frombuffer, never written back.
+                m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            self._maps[rank] = m
+        return m
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        per_rank: dict[int, list[tuple[ReadItem, ItemRecord]]] = {}
+        for req in plan.items:
+            loc = self.storage_data[req.storage_index]
+            offset = req.storage_index.offset
+            rec = self._items[(loc.rank, req.storage_index.fqn,
+                               tuple(offset) if offset is not None else None)]
+            per_rank.setdefault(loc.rank, []).append((req, rec))
+        try:
+            for rank, reqs in sorted(per_rank.items()):
+                t0 = time.perf_counter()
+                m = self._map(rank)
+                for req, rec in reqs:
+                    self._read_item(m, rank, req, rec, planner)
+                self.seconds_by_rank[rank] = time.perf_counter() - t0
+        finally:
+            self.close()
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_item(self, m: mmap.mmap, rank: int, req: ReadItem, rec: ItemRecord,
+                   planner: LoadPlanner) -> None:
+        if req.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(req, io.BytesIO(m[rec.file_offset:rec.file_offset + rec.length]))
+            self._count(rank, rec.length)
+            return
+        dtype = dtype_from_name(rec.dtype or "uint8")
+        count = rec.length // dtype.itemsize
+        stored = torch.frombuffer(m, dtype=dtype, count=count, offset=rec.file_offset)
+        stored = stored.view(rec.shape or ())
+        src = _narrow(stored, req.storage_offsets, req.lengths)
+        target = planner.resolve_tensor(req).detach()
+        if target.size() != src.size():
+            raise ValueError(
+                f"size mismatch for {req.storage_index.fqn}: snapshot chunk "
+                f"{tuple(src.size())} vs destination {tuple(target.size())}"
+            )
+        target.copy_(src)
+        planner.commit_tensor(req, target)
+        self._count(rank, src.numel() * src.element_size())
+
+    def _count(self, rank: int, n: int) -> None:
+        self.bytes_read += n
+        self.bytes_by_rank[rank] = self.bytes_by_rank.get(rank, 0) + n
+
+    def close(self) -> None:
+        for m in self._maps.values():
+            with contextlib.suppress(BufferError):
+                m.close()
+        self._maps.clear()
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return False

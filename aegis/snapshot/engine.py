@@ -1,0 +1,378 @@
+"""The snapshot engine: async, double-buffered in-memory snapshots of a sharded state dict.
+
+Who calls what: every rank of the snapshot group calls :meth:`SnapshotEngine.save` with the same
+step, in the same order (it is collective). ``save`` blocks while it copies the rank's shard into
+a pre-faulted slot in the node store and returns a :class:`SnapshotHandle`; a background thread
+per rank then checksums the shard, writes its index, and takes part in the commit: rank 0
+gathers every rank's shard record, builds the manifest and broadcasts it; the first rank of each
+node writes it into that node's store. Only then is the step committed.
+
+Double buffer: a save first waits for the previous snapshot's background work, so at most one
+snapshot is in flight, and an error from it is raised by that next ``save`` (or ``wait``).
+
+Plan caching: the DCP save plan (local plan -> global plan with de-duplication -> final plan) is
+computed through DCP's ``DefaultSavePlanner`` on the first save and reused while the structure
+of the state dict (names, dtypes, shapes, sharding) is unchanged; a change on any rank makes
+every rank plan again, decided by one small all-reduce per save.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.tensor import DTensor
+
+from aegis._dist import Group
+from aegis.errors import AegisError, CollectiveError, StoreFullError
+from aegis.snapshot.dcp_io import DEFAULT_CHUNK_BYTES, StagedShard, complete, stage
+from aegis.snapshot.manifest import BytesEntry, Manifest, ShardRecord, TensorEntry
+from aegis.snapshot.node_store import NodeStore, Slot
+from aegis.snapshot.shard import ShardLayout, plan_layout
+
+__all__ = ["SnapshotEngine", "SnapshotHandle", "SnapshotResult", "format_bytes"]
+
+_TAIL_ALLOWANCE = 1 << 20  # bytes region + index, estimated for the free-space check
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    raise AssertionError
+
+
+@dataclass
+class SnapshotResult:
+    """What one rank measured for one snapshot."""
+
+    step: int
+    rank: int
+    node: str
+    committed: bool = False
+    shard_bytes: int = 0
+    tensor_bytes: int = 0
+    blocking_s: float = 0.0
+    wait_s: float = 0.0  # part of blocking_s spent waiting for the previous snapshot
+    copy_s: float = 0.0
+    plan_s: float = 0.0  # > 0 only when this save (re)planned
+    background_s: float = 0.0
+    commit_s: float = 0.0
+    snapshot_bytes: int = 0  # all ranks together (known on every rank after commit)
+    error: str | None = None
+
+    @property
+    def staging_gbps(self) -> float:
+        return self.tensor_bytes / self.copy_s / 1e9 if self.copy_s > 0 else 0.0
+
+
+class SnapshotHandle:
+    """Future-like handle of one snapshot's background work."""
+
+    def __init__(self, step: int, future: Future[SnapshotResult]) -> None:
+        self.step = step
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> SnapshotResult:
+        """Block until the snapshot is committed (or failed); re-raises its error."""
+        return self._future.result(timeout)
+
+
+@dataclass
+class _Plan:
+    fingerprint: tuple[Any, ...]
+    layout: ShardLayout
+    entries: dict[str, TensorEntry | BytesEntry] = field(default_factory=dict)
+    planner_data: dict[str, tuple[str | int, ...]] = field(default_factory=dict)
+
+
+def _fingerprint(flat: dict[str, Any]) -> tuple[Any, ...]:
+    out = []
+    for k, v in flat.items():
+        if isinstance(v, DTensor):
+            local = v._local_tensor
+            out.append((k, "d", v.dtype, tuple(v.shape), tuple(local.shape), v.device_mesh.size()))
+        elif isinstance(v, torch.Tensor):
+            out.append((k, "t", v.dtype, tuple(v.shape)))
+        else:
+            out.append((k, "o"))
+    return tuple(out)
+
+
+class SnapshotEngine:
+    """Async in-memory snapshots of one rank into its node store. See the module docstring.
+
+    Construction is collective (all ranks gather their node ids).
+    """
+
+    def __init__(
+        self,
+        store: NodeStore,
+        group: Group,
+        *,
+        keep: int = 1,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        node: str = "local",
+        on_result: Callable[[SnapshotResult], None] | None = None,
+        mesh: dict[str, Any] | None = None,
+    ) -> None:
+        self.store = store
+        self.group = group
+        self.rank = group.rank
+        self.world = group.world
+        self.keep = keep
+        self.chunk_bytes = chunk_bytes
+        self.node = node
+        self.on_result = on_result
+        self.mesh = mesh or {}
+        self.nodes: list[str] = group.all_gather(node, "node discovery")
+        self.is_leader = self.nodes.index(node) == self.rank  # first rank of this node
+        self.local_world = self.nodes.count(node)
+        store.create()
+        self._planner = DefaultSavePlanner()
+        self._plan: _Plan | None = None
+        self._pool: list[Slot] = [Slot(p) for p in store.free_slots(self.rank)]
+        self._next_slot = 1 + max((int(p.path.name.rsplit(".", 1)[1]) for p in self._pool), default=0)
+        self._committed: list[tuple[int, Slot | None]] = []  # oldest first
+        self._inflight: tuple[SnapshotHandle, Slot] | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"aegis-snap-r{self.rank}")
+        self._lock = threading.Lock()
+        self._closed = False
+
+    # -- public --------------------------------------------------------------------------------
+
+    @property
+    def committed_steps(self) -> list[int]:
+        return [s for s, _ in self._committed]
+
+    def adopt_committed(self, steps: list[int]) -> None:
+        """Steps already committed in the store (found on restore); they count toward ``keep``
+        and are evicted (leader removes the directory) like any other."""
+        self._committed = [(s, None) for s in sorted(steps)]
+
+    def save(self, step: int, state_dict: dict[str, Any]) -> SnapshotHandle:
+        """Snapshot ``state_dict`` as ``step``. Collective; blocks only for the copy."""
+        if self._closed:
+            raise AegisError("save() after close(): create a new Manager")
+        t0 = time.perf_counter()
+        self.wait()  # double buffer: at most one snapshot in flight; raises its error
+        wait_s = time.perf_counter() - t0
+        planner = self._planner
+        planner.set_up_planner(state_dict, storage_meta=None, is_coordinator=self.rank == 0)
+        fingerprint = _fingerprint(planner.state_dict)
+        changed = self._plan is None or fingerprint != self._plan.fingerprint
+        any_changed, hi, neg_lo = self.group.all_reduce_max([int(changed), step, -step], "save")
+        if hi != -neg_lo:
+            raise AegisError(
+                f"ranks called save() with different steps (from {-neg_lo} to {hi}); every rank "
+                "must call save(step) with the same step, in the same order"
+            )
+        plan_s = 0.0
+        if any_changed:
+            tp = time.perf_counter()
+            self._plan = self._make_plan(planner, fingerprint)
+            plan_s = time.perf_counter() - tp
+        assert self._plan is not None
+        slot = self._take_slot(step, self._plan.layout)
+        result = SnapshotResult(step=step, rank=self.rank, node=self.node, wait_s=wait_s, plan_s=plan_s,
+                                tensor_bytes=self._plan.layout.tensor_bytes)
+        staged: StagedShard | None = None
+        error: BaseException | None = None
+        try:
+            staged = stage(step, self.rank, self._plan.layout, slot, planner)
+            result.copy_s = staged.copy_s
+        except Exception as e:  # noqa: BLE001 - every rank must still take part in the commit
+            error = e
+        result.blocking_s = time.perf_counter() - t0
+        future = self._executor.submit(self._finish, result, slot, staged, error)
+        handle = SnapshotHandle(step, future)
+        self._inflight = (handle, slot)
+        if error is not None:
+            raise AegisError(f"snapshot of step {step} failed while copying on rank {self.rank}: {error}") from error
+        return handle
+
+    def wait(self) -> SnapshotResult | None:
+        """Wait for the in-flight snapshot; re-raise its error once. Collective in effect (its
+        background commit needs every rank)."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
+            return None
+        return inflight[0].wait()
+
+    def close(self) -> None:
+        """Finish the in-flight snapshot, then release the slots (free ones are deleted)."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self._executor.shutdown(wait=True)
+            for slot in self._pool:
+                slot.close()
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(slot.path)
+            self._pool.clear()
+            for _, slot in self._committed:
+                if slot is not None:
+                    slot.close()
+
+    # -- planning ------------------------------------------------------------------------------
+
+    def _make_plan(self, planner: DefaultSavePlanner, fingerprint: tuple[Any, ...]) -> _Plan:
+        """DCP planning, collective: local plans -> rank 0 -> global plan -> every rank."""
+        local = planner.create_local_plan()
+        plans = self.group.gather(local, "plan gather")
+        outcome: list[tuple[bool, Any]] | None = None
+        entries: dict[str, TensorEntry | BytesEntry] = {}
+        planner_data: dict[str, tuple[str | int, ...]] = {}
+        if self.rank == 0:
+            assert plans is not None
+            try:
+                global_plans, metadata = planner.create_global_plan(plans)
+                outcome = [(True, p) for p in global_plans]
+                entries = Manifest.entries_from_dcp(metadata)
+                planner_data = {k: tuple(v) for k, v in (metadata.planner_data or {}).items()}
+            except Exception as e:  # noqa: BLE001 - sent to every rank
+                outcome = [(False, f"{type(e).__name__}: {e}")] * self.world
+        ok, central = self.group.scatter(outcome, "plan scatter")
+        if not ok:
+            raise AegisError(f"DCP could not plan the snapshot: {central}")
+        final = planner.finish_plan(central)
+        layout = plan_layout(final.items, chunk_bytes=self.chunk_bytes)
+        self._check_capacity(layout)
+        plan = _Plan(fingerprint, layout, entries, planner_data)
+        # Pre-fault keep + 1 slots now, so no save pays for first-touch page faults.
+        in_use = sum(1 for _, s in self._committed if s is not None)
+        while len(self._pool) + in_use < self.keep + 1:
+            self._pool.append(self._new_slot())
+        for slot in self._pool:
+            slot.ensure(layout.tensor_end)
+        return plan
+
+    def _check_capacity(self, layout: ShardLayout) -> None:
+        """Fail before the first save if this node's store cannot hold keep + 1 snapshots."""
+        per_shard = layout.tensor_end + _TAIL_ALLOWANCE
+        need = (self.keep + 1) * per_shard
+        reusable = sum(os.path.getsize(s.path) for s in self._pool if s.path.exists())
+        reports = self.group.all_gather(
+            (self.node, need, reusable, self.store.free_bytes()), "capacity check"
+        )
+        short = []
+        for node in dict.fromkeys(self.nodes):
+            mine = [r for r in reports if r[0] == node]
+            node_need = sum(r[1] for r in mine)
+            node_have = mine[0][3] + sum(r[2] for r in mine)
+            if node_need > node_have:
+                short.append(
+                    f"the node store on node {node!r} needs {format_bytes(node_need)} ({self.keep} "
+                    f"kept + 1 in flight, {len(mine)} local rank(s), about "
+                    f"{format_bytes(per_shard)} per shard here) but has {format_bytes(node_have)} free"
+                )
+        if short:
+            raise StoreFullError(
+                f"{'; '.join(short)} ({self.store.dir}). Free space on that tmpfs, lower keep "
+                f"(now {self.keep}), or point store_dir (or AEGIS_STORE_DIR) at a larger tmpfs, "
+                "e.g. `mount -o remount,size=<bytes> /dev/shm`"
+            )
+
+    # -- slots ---------------------------------------------------------------------------------
+
+    def _new_slot(self) -> Slot:
+        slot = Slot(self.store.slot_path(self.rank, self._next_slot))
+        self._next_slot += 1
+        return slot
+
+    def _take_slot(self, step: int, layout: ShardLayout) -> Slot:
+        slot = self._pool.pop() if self._pool else self._new_slot()
+        slot.ensure(layout.tensor_end)
+        slot.move(self.store.shard_path(step, self.rank))
+        return slot
+
+    def _release_slot(self, slot: Slot) -> None:
+        slot.move(self.store.slot_path(self.rank, self._next_slot))
+        self._next_slot += 1
+        self._pool.append(slot)
+
+    # -- background ----------------------------------------------------------------------------
+
+    def _finish(self, result: SnapshotResult, slot: Slot, staged: StagedShard | None,
+                error: BaseException | None) -> SnapshotResult:
+        """Background, every rank: checksum + index, then the commit protocol."""
+        t0 = time.perf_counter()
+        record: ShardRecord | None = None
+        err = f"{type(error).__name__}: {error}" if error is not None else None
+        if staged is not None and err is None:
+            try:
+                record = complete(staged, job=self.store.job, node=self.node)
+                result.shard_bytes = record.size
+            except Exception as e:  # noqa: BLE001 - reported to rank 0
+                err = f"{type(e).__name__}: {e}"
+        tc = time.perf_counter()
+        reports = self.group.gather((record, err, result.blocking_s, result.copy_s), "commit gather")
+        decision: tuple[str, Any] | None = None
+        if self.rank == 0:
+            assert reports is not None
+            failures = {r: e for r, (_, e, _, _) in enumerate(reports) if e is not None}
+            if failures:
+                decision = ("abort", failures)
+            else:
+                decision = ("commit", Manifest(
+                    job=self.store.job,
+                    step=result.step,
+                    world_size=self.world,
+                    shards=tuple(rec for rec, _, _, _ in reports),
+                    entries=self._plan.entries if self._plan else {},
+                    planner_data=self._plan.planner_data if self._plan else {},
+                    mesh=self.mesh,
+                    timings={
+                        "blocking_s_max": max(b for _, _, b, _ in reports),
+                        "copy_s_max": max(c for _, _, _, c in reports),
+                        "complete_s": tc - t0,
+                    },
+                    created=time.time(),
+                ))
+        kind, payload = self.group.broadcast(decision, "commit broadcast")
+        if kind == "abort":
+            self._release_slot(slot)
+            result.error = str(CollectiveError(f"snapshot of step {result.step}", payload))
+            if self.on_result:
+                self.on_result(result)
+            raise CollectiveError(f"snapshot of step {result.step}", payload)
+        manifest: Manifest = payload
+        if self.is_leader:
+            self.store.write_manifest(manifest)
+        result.committed = True
+        result.snapshot_bytes = manifest.total_bytes
+        with self._lock:
+            self._committed.append((result.step, slot))
+            self._evict()
+        result.commit_s = time.perf_counter() - tc
+        result.background_s = time.perf_counter() - t0
+        if self.on_result:
+            self.on_result(result)
+        return result
+
+    def _evict(self) -> None:
+        """Keep the newest ``keep`` committed snapshots; the newest one is never evicted."""
+        while len(self._committed) > max(self.keep, 1):
+            step, slot = self._committed.pop(0)
+            if self.is_leader:
+                self.store.uncommit(step)  # manifest first: a half-evicted step is never chosen
+            if slot is not None:
+                self._release_slot(slot)
+                self.store._rmdir_if_empty(step)
+            elif self.is_leader:
+                self.store.remove_step(step)  # from an earlier run: nobody maps its files

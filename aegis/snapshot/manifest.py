@@ -1,0 +1,505 @@
+"""The manifest: what a committed snapshot holds, as versioned dataclasses <-> JSON.
+
+The manifest is data. Nothing here does I/O: callers read and write the bytes. A step without
+a manifest does not exist, so the manifest is always the last thing written for a step.
+
+Parsing is strict: unknown or missing fields, wrong types, negative sizes and offsets, chunks
+that overlap or run past the end of their shard are rejected with a :class:`ManifestError`
+before any byte of a shard is trusted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from aegis.errors import ManifestError
+
+__all__ = [
+    "FORMAT_VERSION",
+    "ChunkRecord",
+    "ItemRecord",
+    "ShardRecord",
+    "TensorEntry",
+    "BytesEntry",
+    "Manifest",
+    "ShardLocation",
+    "dtype_name",
+    "dtype_from_name",
+]
+
+FORMAT_VERSION = 1
+
+_MAX_SIZE = 1 << 50  # 1 PiB: anything larger in a manifest is corrupt, not a real snapshot
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    value = getattr(torch, name, None) if name.isidentifier() else None
+    if not isinstance(value, torch.dtype):
+        raise ManifestError(f"unknown dtype {name!r} in manifest")
+    return value
+
+
+@dataclass(frozen=True)
+class ChunkRecord:
+    """A byte range of a shard with its checksum.
+
+    ``dtype`` names what the bytes are ("float32", ..., or "bytes" for serialized objects and
+    padding-only ranges) so that a codec can choose a transform; ``codec`` says how the chunk is
+    stored on the tier that wrote this manifest ("raw" in memory).
+    """
+
+    offset: int
+    length: int
+    crc32c: int
+    dtype: str = "bytes"
+    codec: str = "raw"
+
+
+@dataclass(frozen=True)
+class ItemRecord:
+    """Where one DCP storage item lives inside a shard.
+
+    ``fqn``/``offset`` are DCP's ``MetadataIndex`` (offset: the chunk's offsets in the global
+    tensor, None for byte items). Tensor items also record dtype and shape of the stored chunk
+    so the bytes can be viewed without unpickling anything.
+    """
+
+    fqn: str
+    offset: tuple[int, ...] | None
+    file_offset: int
+    length: int
+    dtype: str | None = None
+    shape: tuple[int, ...] | None = None
+
+    @property
+    def is_tensor(self) -> bool:
+        return self.dtype is not None
+
+
+@dataclass(frozen=True)
+class ShardRecord:
+    """One rank's shard of a snapshot."""
+
+    rank: int
+    node: str
+    size: int
+    index_crc32c: int
+    chunks: tuple[ChunkRecord, ...]
+    items: tuple[ItemRecord, ...]
+    replicas: tuple[str, ...] = ()
+
+    @property
+    def data_bytes(self) -> int:
+        return sum(c.length for c in self.chunks)
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """A tensor of the state dict: global dtype/shape and how it was chunked across ranks."""
+
+    dtype: str
+    size: tuple[int, ...]
+    chunks: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]  # (offsets, sizes) per chunk
+    requires_grad: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.size) * dtype_from_name(self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class BytesEntry:
+    """A non-tensor object of the state dict, stored as a serialized byte item."""
+
+
+@dataclass(frozen=True)
+class ShardLocation:
+    """DCP ``storage_data`` value: which rank's shard holds an item and where."""
+
+    rank: int
+    file_offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A committed snapshot of one job at one step."""
+
+    job: str
+    step: int
+    world_size: int
+    shards: tuple[ShardRecord, ...]
+    entries: Mapping[str, TensorEntry | BytesEntry]
+    planner_data: Mapping[str, tuple[str | int, ...]] = field(default_factory=dict)
+    mesh: Mapping[str, Any] = field(default_factory=dict)
+    timings: Mapping[str, float] = field(default_factory=dict)
+    created: float = 0.0
+    format_version: int = FORMAT_VERSION
+
+    # -- derived views -------------------------------------------------------------------------
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.size for s in self.shards)
+
+    def shard(self, rank: int) -> ShardRecord:
+        for s in self.shards:
+            if s.rank == rank:
+                return s
+        raise ManifestError(f"manifest of step {self.step} has no shard for rank {rank}")
+
+    def nodes(self) -> dict[int, str]:
+        return {s.rank: s.node for s in self.shards}
+
+    def to_dcp_metadata(self) -> Metadata:
+        """The DCP ``Metadata`` that a ``StorageReader`` hands to ``dcp.load``."""
+        state: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+        for name, entry in self.entries.items():
+            if isinstance(entry, TensorEntry):
+                state[name] = TensorStorageMetadata(
+                    properties=TensorProperties(
+                        dtype=dtype_from_name(entry.dtype), requires_grad=entry.requires_grad
+                    ),
+                    size=torch.Size(entry.size),
+                    chunks=[
+                        ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s))
+                        for o, s in entry.chunks
+                    ],
+                )
+            else:
+                state[name] = BytesStorageMetadata()
+        storage: dict[MetadataIndex, ShardLocation] = {}
+        for shard in self.shards:
+            for item in shard.items:
+                storage[MetadataIndex(item.fqn, item.offset)] = ShardLocation(
+                    shard.rank, item.file_offset, item.length
+                )
+        planner = {k: tuple(v) for k, v in self.planner_data.items()} or None
+        return Metadata(state_dict_metadata=state, planner_data=planner, storage_data=storage)
+
+    @staticmethod
+    def entries_from_dcp(metadata: Metadata) -> dict[str, TensorEntry | BytesEntry]:
+        out: dict[str, TensorEntry | BytesEntry] = {}
+        for name, md in metadata.state_dict_metadata.items():
+            if isinstance(md, TensorStorageMetadata):
+                out[name] = TensorEntry(
+                    dtype=dtype_name(md.properties.dtype),
+                    size=tuple(md.size),
+                    chunks=tuple((tuple(c.offsets), tuple(c.sizes)) for c in md.chunks),
+                    requires_grad=bool(md.properties.requires_grad),
+                )
+            else:
+                out[name] = BytesEntry()
+        return out
+
+    # -- JSON ----------------------------------------------------------------------------------
+
+    def to_json(self) -> str:
+        doc: dict[str, Any] = {
+            "format_version": self.format_version,
+            "job": self.job,
+            "step": self.step,
+            "world_size": self.world_size,
+            "created": self.created,
+            "mesh": dict(self.mesh),
+            "timings": dict(self.timings),
+            "shards": [_shard_to_doc(s) for s in self.shards],
+            "entries": {
+                k: (
+                    {"kind": "tensor", **asdict(v)}
+                    if isinstance(v, TensorEntry)
+                    else {"kind": "bytes"}
+                )
+                for k, v in self.entries.items()
+            },
+            "planner_data": {k: list(v) for k, v in self.planner_data.items()},
+        }
+        return json.dumps(doc, separators=(",", ":"), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes, *, where: str = "manifest") -> Manifest:
+        try:
+            doc = json.loads(text)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ManifestError(f"{where}: not valid JSON ({e}); the file is damaged") from e
+        return cls.from_doc(doc, where=where)
+
+    @classmethod
+    def from_doc(cls, doc: Any, *, where: str = "manifest") -> Manifest:
+        p = _Parser(where)
+        d = p.obj(doc, "manifest")
+        version = p.int_(d.get("format_version"), "format_version")
+        if version > FORMAT_VERSION:
+            raise ManifestError(
+                f"{where}: written by a newer aegis (format version {version}, this aegis reads "
+                f"up to {FORMAT_VERSION}); upgrade aegis to read it"
+            )
+        if version < 1:
+            raise ManifestError(f"{where}: invalid format_version {version}")
+        p.fields(
+            d,
+            "manifest",
+            required={"format_version", "job", "step", "world_size", "shards", "entries"},
+            optional={"created", "mesh", "timings", "planner_data"},
+        )
+        job = p.str_(d["job"], "job")
+        step = p.int_(d["step"], "step")
+        world = p.int_(d["world_size"], "world_size", lo=1)
+        shards = tuple(
+            _shard_from_doc(p, s, f"shards[{i}]") for i, s in enumerate(p.list_(d["shards"], "shards"))
+        )
+        ranks = sorted(s.rank for s in shards)
+        if ranks != list(range(world)):
+            raise ManifestError(
+                f"{where}: shards are for ranks {ranks}, expected exactly 0..{world - 1}"
+            )
+        entries: dict[str, TensorEntry | BytesEntry] = {}
+        for name, e in p.obj(d["entries"], "entries").items():
+            ed = p.obj(e, f"entries[{name!r}]")
+            kind = ed.get("kind")
+            if kind == "bytes":
+                p.fields(ed, f"entries[{name!r}]", required={"kind"}, optional=set())
+                entries[name] = BytesEntry()
+            elif kind == "tensor":
+                p.fields(
+                    ed,
+                    f"entries[{name!r}]",
+                    required={"kind", "dtype", "size", "chunks"},
+                    optional={"requires_grad"},
+                )
+                dtype = p.str_(ed["dtype"], "dtype")
+                dtype_from_name(dtype)
+                size = p.ints(ed["size"], f"entries[{name!r}].size")
+                chunks = []
+                for c in p.list_(ed["chunks"], f"entries[{name!r}].chunks"):
+                    pair = p.list_(c, f"entries[{name!r}].chunks[]")
+                    if len(pair) != 2:
+                        raise ManifestError(f"{where}: entries[{name!r}] chunk is not [offsets, sizes]")
+                    offs = p.ints(pair[0], "chunk offsets")
+                    sizes = p.ints(pair[1], "chunk sizes")
+                    if len(offs) != len(size) or len(sizes) != len(size) or any(
+                        o + s > n for o, s, n in zip(offs, sizes, size, strict=True)
+                    ):
+                        raise ManifestError(
+                            f"{where}: entries[{name!r}] has a chunk outside the tensor's shape"
+                        )
+                    chunks.append((offs, sizes))
+                entries[name] = TensorEntry(
+                    dtype=dtype,
+                    size=size,
+                    chunks=tuple(chunks),
+                    requires_grad=bool(ed.get("requires_grad", False)),
+                )
+            else:
+                raise ManifestError(f"{where}: entries[{name!r}] has unknown kind {kind!r}")
+        planner_data: dict[str, tuple[str | int, ...]] = {}
+        for k, v in p.obj(d.get("planner_data", {}), "planner_data").items():
+            path = p.list_(v, f"planner_data[{k!r}]")
+            if not all(isinstance(x, (str, int)) and not isinstance(x, bool) for x in path):
+                raise ManifestError(f"{where}: planner_data[{k!r}] must be a list of str/int")
+            planner_data[k] = tuple(path)
+        timings = {
+            k: float(p.num(v, f"timings[{k!r}]"))
+            for k, v in p.obj(d.get("timings", {}), "timings").items()
+        }
+        manifest = cls(
+            job=job,
+            step=step,
+            world_size=world,
+            shards=tuple(sorted(shards, key=lambda s: s.rank)),
+            entries=entries,
+            planner_data=planner_data,
+            mesh=p.obj(d.get("mesh", {}), "mesh"),
+            timings=timings,
+            created=float(p.num(d.get("created", 0.0), "created")),
+            format_version=version,
+        )
+        _check_items_against_entries(manifest, where)
+        return manifest
+
+
+# -- helpers -------------------------------------------------------------------------------------
+
+
+def _shard_to_doc(s: ShardRecord) -> dict[str, Any]:
+    return {
+        "rank": s.rank,
+        "node": s.node,
+        "size": s.size,
+        "index_crc32c": s.index_crc32c,
+        "replicas": list(s.replicas),
+        "chunks": [[c.offset, c.length, c.crc32c, c.dtype, c.codec] for c in s.chunks],
+        "items": [item_to_doc(i) for i in s.items],
+    }
+
+
+def item_to_doc(i: ItemRecord) -> dict[str, Any]:
+    doc: dict[str, Any] = {"fqn": i.fqn, "file_offset": i.file_offset, "length": i.length}
+    if i.offset is not None:
+        doc["offset"] = list(i.offset)
+    if i.dtype is not None:
+        doc["dtype"] = i.dtype
+        doc["shape"] = list(i.shape or ())
+    return doc
+
+
+def item_from_doc(p: _Parser, d: Any, what: str) -> ItemRecord:
+    d = p.obj(d, what)
+    p.fields(d, what, required={"fqn", "file_offset", "length"}, optional={"offset", "dtype", "shape"})
+    dtype = d.get("dtype")
+    shape = None
+    if dtype is not None:
+        dtype_from_name(p.str_(dtype, f"{what}.dtype"))
+        shape = p.ints(d.get("shape", []), f"{what}.shape")
+    item = ItemRecord(
+        fqn=p.str_(d["fqn"], f"{what}.fqn"),
+        offset=p.ints(d["offset"], f"{what}.offset") if "offset" in d else None,
+        file_offset=p.int_(d["file_offset"], f"{what}.file_offset"),
+        length=p.int_(d["length"], f"{what}.length"),
+        dtype=dtype,
+        shape=shape,
+    )
+    if item.is_tensor and item.length != math.prod(item.shape or ()) * dtype_from_name(
+        item.dtype or "uint8"
+    ).itemsize:
+        raise ManifestError(f"{p.where}: {what} length does not match its dtype and shape")
+    return item
+
+
+def chunk_from_doc(p: _Parser, c: Any, what: str) -> ChunkRecord:
+    row = p.list_(c, what)
+    if len(row) != 5:
+        raise ManifestError(f"{p.where}: {what} must be [offset, length, crc32c, dtype, codec]")
+    return ChunkRecord(
+        offset=p.int_(row[0], f"{what}.offset"),
+        length=p.int_(row[1], f"{what}.length"),
+        crc32c=p.int_(row[2], f"{what}.crc32c", hi=0xFFFFFFFF),
+        dtype=p.str_(row[3], f"{what}.dtype"),
+        codec=p.str_(row[4], f"{what}.codec"),
+    )
+
+
+def check_layout(p: _Parser, size: int, chunks: Sequence[ChunkRecord],
+                 items: Sequence[ItemRecord], what: str) -> None:
+    """Chunks must tile [0, data_end) in order; every item must lie inside the data region."""
+    pos = 0
+    for i, c in enumerate(chunks):
+        if c.offset != pos:
+            raise ManifestError(
+                f"{p.where}: {what} chunk {i} starts at {c.offset}, expected {pos} (gap or overlap)"
+            )
+        pos = c.offset + c.length
+    if pos > size:
+        raise ManifestError(f"{p.where}: {what} chunks end at {pos}, past the shard size {size}")
+    seen: set[tuple[str, tuple[int, ...] | None]] = set()
+    for item in items:
+        if item.file_offset + item.length > pos:
+            raise ManifestError(
+                f"{p.where}: {what} item {item.fqn!r} ends at {item.file_offset + item.length}, "
+                f"past the shard's data ({pos} bytes)"
+            )
+        key = (item.fqn, item.offset)
+        if key in seen:
+            raise ManifestError(f"{p.where}: {what} has item {item.fqn!r} twice")
+        seen.add(key)
+
+
+def _shard_from_doc(p: _Parser, doc: Any, what: str) -> ShardRecord:
+    d = p.obj(doc, what)
+    p.fields(
+        d,
+        what,
+        required={"rank", "node", "size", "index_crc32c", "chunks", "items"},
+        optional={"replicas"},
+    )
+    chunks = tuple(chunk_from_doc(p, c, f"{what}.chunks[{i}]") for i, c in enumerate(p.list_(d["chunks"], "chunks")))
+    items = tuple(item_from_doc(p, it, f"{what}.items[{i}]") for i, it in enumerate(p.list_(d["items"], "items")))
+    size = p.int_(d["size"], f"{what}.size")
+    check_layout(p, size, chunks, items, what)
+    return ShardRecord(
+        rank=p.int_(d["rank"], f"{what}.rank"),
+        node=p.str_(d["node"], f"{what}.node"),
+        size=size,
+        index_crc32c=p.int_(d["index_crc32c"], f"{what}.index_crc32c", hi=0xFFFFFFFF),
+        chunks=chunks,
+        items=items,
+        replicas=tuple(p.str_(x, f"{what}.replicas[]") for x in p.list_(d.get("replicas", []), "replicas")),
+    )
+
+
+def _check_items_against_entries(m: Manifest, where: str) -> None:
+    for shard in m.shards:
+        for item in shard.items:
+            entry = m.entries.get(item.fqn)
+            if entry is None:
+                raise ManifestError(
+                    f"{where}: shard of rank {shard.rank} holds {item.fqn!r}, which no entry declares"
+                )
+            if isinstance(entry, TensorEntry) != item.is_tensor:
+                raise ManifestError(f"{where}: item {item.fqn!r} does not match its entry's kind")
+
+
+class _Parser:
+    """Strict JSON field checks with messages that name the file and the field."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def fail(self, msg: str) -> ManifestError:
+        return ManifestError(f"{self.where}: {msg}")
+
+    def obj(self, v: Any, what: str) -> dict[str, Any]:
+        if not isinstance(v, dict):
+            raise self.fail(f"{what} must be an object")
+        return v
+
+    def list_(self, v: Any, what: str) -> list[Any]:
+        if not isinstance(v, list):
+            raise self.fail(f"{what} must be a list")
+        return v
+
+    def str_(self, v: Any, what: str) -> str:
+        if not isinstance(v, str):
+            raise self.fail(f"{what} must be a string")
+        return v
+
+    def num(self, v: Any, what: str) -> float:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise self.fail(f"{what} must be a finite number")
+        return v
+
+    def int_(self, v: Any, what: str, *, lo: int = 0, hi: int = _MAX_SIZE) -> int:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise self.fail(f"{what} must be an integer, got {v!r}")
+        if not lo <= v <= hi:
+            raise self.fail(f"{what} = {v} is out of range [{lo}, {hi}]")
+        return v
+
+    def ints(self, v: Any, what: str) -> tuple[int, ...]:
+        return tuple(self.int_(x, what) for x in self.list_(v, what))
+
+    def fields(self, d: dict[str, Any], what: str, *, required: set[str], optional: set[str]) -> None:
+        missing = required - d.keys()
+        unknown = d.keys() - required - optional
+        if missing:
+            raise self.fail(f"{what} is missing field(s) {sorted(missing)}")
+        if unknown:
+            raise self.fail(f"{what} has unknown field(s) {sorted(unknown)}")

@@ -1,0 +1,295 @@
+"""The node store: a per-node tmpfs directory that outlives the training processes.
+
+Layout under ``<root>/<job>/``::
+
+    step-00000012/rank-00000.shard     this node's shards (own and replicas) of step 12
+    step-00000012/manifest.json        written last: the step is committed on this node
+    .slots/rank-00000.1                free, pre-faulted slot files kept for reuse
+
+Shard files of the engine are *slots*: files that are mapped once, pre-faulted, and moved
+between a step directory and the free pool by ``rename`` (same inode, pages stay resident), so
+a save copies into memory that already exists. Only this module touches paths.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from aegis.errors import ConfigError, CorruptShardError, ManifestError
+from aegis.snapshot.manifest import Manifest, ShardRecord
+from aegis.snapshot.shard import (
+    FOOTER_SIZE,
+    ShardIndex,
+    decode_footer,
+    decode_index,
+    verify_chunks,
+)
+
+__all__ = ["NodeStore", "Slot", "StepInfo", "default_store_root"]
+
+_STEP_RE = re.compile(r"^step-(\d{8})$")
+_SHARD_RE = re.compile(r"^rank-(\d{5})\.shard$")
+MANIFEST = "manifest.json"
+
+
+def default_store_root() -> Path:
+    return Path(os.environ.get("AEGIS_STORE_DIR", "/dev/shm/aegis"))
+
+
+_JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+
+
+def check_job_name(job: str) -> str:
+    if not isinstance(job, str) or not _JOB_RE.match(job) or ".." in job:
+        raise ConfigError(
+            f"job={job!r} is not a valid job name: use 1-128 letters, digits, '_', '-' or '.', "
+            "starting with a letter or digit (it becomes a directory and an object-key prefix)"
+        )
+    return job
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """What a node store holds for one step."""
+
+    step: int
+    committed: bool  # a manifest is present
+    shard_ranks: tuple[int, ...]
+
+
+class NodeStore:
+    """One node's store for one job. Safe to share between the ranks of a node: every rank only
+    writes its own shard files, and only one rank per node writes manifests."""
+
+    def __init__(self, root: str | os.PathLike[str], job: str) -> None:
+        self.root = Path(root)
+        self.job = check_job_name(job)
+        self.dir = self.root / job
+        self.slots_dir = self.dir / ".slots"
+
+    def create(self) -> None:
+        # Private to the user running the job: snapshots hold the full training state.
+        for d in (self.root, self.dir, self.slots_dir):
+            d.mkdir(mode=0o700, parents=True, exist_ok=True)
+
+    # -- paths ---------------------------------------------------------------------------------
+
+    def step_dir(self, step: int) -> Path:
+        return self.dir / f"step-{step:08d}"
+
+    def shard_path(self, step: int, rank: int) -> Path:
+        return self.step_dir(step) / f"rank-{rank:05d}.shard"
+
+    def manifest_path(self, step: int) -> Path:
+        return self.step_dir(step) / MANIFEST
+
+    # -- inventory -----------------------------------------------------------------------------
+
+    def steps(self) -> list[StepInfo]:
+        """Every step directory, newest first."""
+        out = []
+        if not self.dir.is_dir():
+            return out
+        for entry in os.scandir(self.dir):
+            m = _STEP_RE.match(entry.name)
+            if not m or not entry.is_dir():
+                continue
+            ranks = []
+            committed = False
+            for f in os.scandir(entry.path):
+                if f.name == MANIFEST:
+                    committed = True
+                elif sm := _SHARD_RE.match(f.name):
+                    ranks.append(int(sm.group(1)))
+            out.append(StepInfo(int(m.group(1)), committed, tuple(sorted(ranks))))
+        out.sort(key=lambda s: s.step, reverse=True)
+        return out
+
+    def read_manifest(self, step: int) -> Manifest:
+        path = self.manifest_path(step)
+        try:
+            text = path.read_bytes()
+        except OSError as e:
+            raise ManifestError(f"cannot read {path}: {e}") from e
+        manifest = Manifest.from_json(text, where=str(path))
+        if manifest.job != self.job:
+            raise ManifestError(
+                f"{path} belongs to job {manifest.job!r}, not {self.job!r}: a store directory "
+                "must not be shared between jobs; move it away or use another job name"
+            )
+        if manifest.step != step:
+            raise ManifestError(f"{path} says step {manifest.step} but lives in step {step}'s directory")
+        return manifest
+
+    def write_manifest(self, manifest: Manifest) -> None:
+        """Commit ``manifest.step`` on this node: an atomic rename, after the shards exist."""
+        path = self.manifest_path(manifest.step)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        tmp = path.with_name(f".{MANIFEST}.tmp{os.getpid()}")
+        with open(tmp, "wb") as f:
+            f.write(manifest.to_json().encode())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def uncommit(self, step: int) -> None:
+        """Remove a step's manifest first, so a crash mid-eviction never leaves it committed."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.manifest_path(step))
+
+    def remove_step(self, step: int) -> None:
+        self.uncommit(step)
+        shutil.rmtree(self.step_dir(step), ignore_errors=True)
+
+    def remove_shard(self, step: int, rank: int) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.shard_path(step, rank))
+        self._rmdir_if_empty(step)
+
+    def _rmdir_if_empty(self, step: int) -> None:
+        with contextlib.suppress(OSError):
+            os.rmdir(self.step_dir(step))
+
+    def read_shard_index(self, step: int, rank: int) -> tuple[ShardIndex, int, int]:
+        """The index stored at the end of a shard file, the file's size and the index crc32c."""
+        path = self.shard_path(step, rank)
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < FOOTER_SIZE:
+                raise ManifestError(f"{path}: shard is truncated ({size} bytes)")
+            f.seek(size - FOOTER_SIZE)
+            start, crc = decode_footer(f.read(FOOTER_SIZE), size=size, where=str(path))
+            f.seek(start)
+            body = f.read(size - FOOTER_SIZE - start)
+        return decode_index(body, crc=crc, size=size, where=str(path)), size, crc
+
+    def verify_shard(self, step: int, record: ShardRecord) -> None:
+        """Check a local shard file against its manifest record: size, every chunk's crc32c,
+        and the index crc32c. Raises CorruptShardError naming step, rank and chunk."""
+        path = self.shard_path(step, record.rank)
+        where = f"node store {self.dir}"
+        try:
+            f = open(path, "rb")  # noqa: SIM115 - closed by the with below
+        except FileNotFoundError as e:
+            raise CorruptShardError(f"shard of rank {record.rank} at step {step} is missing from {where}",
+                                    step=step, rank=record.rank, where=where) from e
+        with f:
+            size = os.fstat(f.fileno()).st_size
+            if size != record.size:
+                raise CorruptShardError(
+                    f"shard of rank {record.rank} at step {step} in {where} has {size} bytes, the "
+                    f"manifest says {record.size}", step=step, rank=record.rank, where=where)
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                view = memoryview(m)
+                try:
+                    verify_chunks(view, record.chunks, step=step, rank=record.rank, where=where)
+                    if size < FOOTER_SIZE:
+                        raise CorruptShardError(f"shard of rank {record.rank} at step {step} is truncated",
+                                                step=step, rank=record.rank, where=where)
+                    try:
+                        _, icrc = decode_footer(bytes(view[size - FOOTER_SIZE:]), size=size,
+                                                where=str(path))
+                    except ManifestError as e:
+                        raise CorruptShardError(f"shard of rank {record.rank} at step {step}: {e}",
+                                                step=step, rank=record.rank, where=where) from e
+                finally:
+                    view.release()
+            if icrc != record.index_crc32c:
+                raise CorruptShardError(
+                    f"shard index of rank {record.rank} at step {step} in {where} does not match the "
+                    "manifest (index crc32c differs)", step=step, rank=record.rank, where=where)
+
+    # -- space ---------------------------------------------------------------------------------
+
+    def free_bytes(self) -> int:
+        st = os.statvfs(self.root if self.root.exists() else self.root.parent)
+        return st.f_bavail * st.f_frsize
+
+    # -- slots ---------------------------------------------------------------------------------
+
+    def slot_path(self, rank: int, k: int) -> Path:
+        return self.slots_dir / f"rank-{rank:05d}.{k}"
+
+    def free_slots(self, rank: int) -> Iterator[Path]:
+        if self.slots_dir.is_dir():
+            prefix = f"rank-{rank:05d}."
+            for f in sorted(os.listdir(self.slots_dir)):
+                if f.startswith(prefix):
+                    yield self.slots_dir / f
+
+
+class Slot:
+    """A shard file whose tensor region is mapped once and reused across snapshots.
+
+    The file moves between the free pool and step directories by rename; the mapping (and the
+    resident pages) stay with the inode.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        self.capacity = 0
+        self._map: mmap.mmap | None = None
+        self._view: torch.Tensor | None = None
+
+    def ensure(self, nbytes: int) -> None:
+        """Make the mapped region at least ``nbytes`` (pages allocated now, not on first copy)."""
+        cap = max(nbytes, 1)  # exactly: the file grows past it on every save, never shrinks into it
+        if cap == self.capacity and self._map is not None:
+            return
+        self.close_map()
+        os.ftruncate(self.fd, cap)
+        with contextlib.suppress(OSError):  # tmpfs allocates (and zeroes) the pages here
+            os.posix_fallocate(self.fd, 0, cap)
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        self._map = mmap.mmap(self.fd, cap, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self.capacity = cap
+        self._view = torch.frombuffer(self._map, dtype=torch.uint8)
+
+    @property
+    def view(self) -> torch.Tensor:
+        assert self._view is not None, "slot is not mapped"
+        return self._view
+
+    @property
+    def memory(self) -> memoryview:
+        assert self._map is not None
+        return memoryview(self._map)
+
+    def move(self, path: Path) -> None:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.replace(self.path, path)
+        self.path = path
+
+    def write_tail(self, payloads: list[tuple[int, bytes]], tail: bytes,
+                   tail_offset: int) -> int:
+        """Write the bytes region and index after the mapped tensor region; size the file."""
+        size = tail_offset + len(tail)
+        assert size >= self.capacity, "the tail must start after the mapped tensor region"
+        os.ftruncate(self.fd, size)
+        for off, payload in payloads:
+            os.pwrite(self.fd, payload, off)
+        os.pwrite(self.fd, tail, tail_offset)
+        return size
+
+    def close_map(self) -> None:
+        self._view = None
+        if self._map is not None:
+            with contextlib.suppress(BufferError):
+                self._map.close()
+            self._map = None
+        self.capacity = 0
+
+    def close(self) -> None:
+        self.close_map()
+        with contextlib.suppress(OSError):
+            os.close(self.fd)

@@ -1,0 +1,255 @@
+"""The shard format: one rank's part of a snapshot as a single blob.
+
+Layout of a shard file::
+
+    [tensor region]  raw bytes of every tensor item, each 64-byte aligned, grouped by dtype
+    [bytes region]   serialized non-tensor items, each 64-byte aligned
+    [index]          JSON: chunk records (offset, length, crc32c, dtype) and item records
+    [footer]         24 bytes: magic, index length, crc32c of the index
+
+Chunks tile the data (tensor + bytes regions) without gaps; a chunk never mixes dtypes, so a
+codec can choose a transform per chunk. Nothing in a shard is pickled except the bytes items,
+which DCP serializes and aegis loads with ``torch.load(weights_only=True)``.
+
+Planning (:func:`plan_layout`) is pure and done once per state-dict structure; the engine then
+copies tensors straight to their planned offsets on every save.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import crc32c as _crc32c
+import torch
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+
+from aegis.errors import CorruptShardError, ManifestError
+from aegis.snapshot.manifest import (
+    FORMAT_VERSION,
+    ChunkRecord,
+    ItemRecord,
+    _Parser,
+    check_layout,
+    chunk_from_doc,
+    dtype_name,
+    item_from_doc,
+    item_to_doc,
+)
+
+__all__ = [
+    "ALIGN",
+    "FOOTER_SIZE",
+    "TensorSlot",
+    "ShardLayout",
+    "ShardIndex",
+    "plan_layout",
+    "finish_layout",
+    "encode_tail",
+    "decode_footer",
+    "decode_index",
+    "crc32c",
+    "verify_chunks",
+]
+
+ALIGN = 64
+_MAGIC = b"AEGSHRD1"
+_FOOTER = struct.Struct("<8sQI4x")
+FOOTER_SIZE = _FOOTER.size  # 24
+
+
+def crc32c(data: memoryview | bytes | bytearray, value: int = 0) -> int:
+    """crc32c of ``data`` (hardware accelerated; releases the GIL on large buffers)."""
+    return _crc32c.crc32c(data, value)
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """Where one tensor write item goes in the tensor region."""
+
+    item: WriteItem
+    file_offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """The fixed part of a shard's layout, derived from a rank's final DCP save plan."""
+
+    tensors: tuple[TensorSlot, ...]
+    byte_items: tuple[WriteItem, ...]
+    tensor_end: int  # 64-aligned end of the tensor region
+    tensor_chunks: tuple[tuple[int, int, str], ...]  # (offset, length, dtype) tiling [0, tensor_end)
+    chunk_bytes: int
+
+    @property
+    def tensor_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+def plan_layout(items: Sequence[WriteItem], *, chunk_bytes: int) -> ShardLayout:
+    """Place every tensor item of a save plan; pure, deterministic in the plan's item order."""
+    if chunk_bytes <= 0 or chunk_bytes % ALIGN:
+        raise ValueError(f"chunk_bytes must be a positive multiple of {ALIGN}, got {chunk_bytes}")
+    tensor_items = [i for i in items if i.type != WriteItemType.BYTE_IO]
+    byte_items = tuple(i for i in items if i.type == WriteItemType.BYTE_IO)
+    # Group by dtype (stable) so that every chunk holds one dtype.
+    order: dict[torch.dtype, list[WriteItem]] = {}
+    for it in tensor_items:
+        assert it.tensor_data is not None
+        order.setdefault(it.tensor_data.properties.dtype, []).append(it)
+    slots: list[TensorSlot] = []
+    chunks: list[tuple[int, int, str]] = []
+    pos = 0
+    for dtype, group in order.items():
+        start = pos
+        for it in group:
+            assert it.tensor_data is not None
+            shape = tuple(int(s) for s in it.tensor_data.chunk.sizes)
+            nbytes = math.prod(shape) * dtype.itemsize
+            slots.append(TensorSlot(it, pos, nbytes, dtype, shape))
+            pos = _align(pos + nbytes)
+        end = max(pos, start)
+        for off in range(start, end, chunk_bytes):
+            chunks.append((off, min(chunk_bytes, end - off), dtype_name(dtype)))
+    return ShardLayout(tuple(slots), byte_items, pos, tuple(chunks), chunk_bytes)
+
+
+@dataclass(frozen=True)
+class ShardIndex:
+    """The self-description stored at the end of a shard (and copied into the manifest)."""
+
+    job: str
+    step: int
+    rank: int
+    chunks: tuple[ChunkRecord, ...]
+    items: tuple[ItemRecord, ...]
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def data_end(self) -> int:
+        return self.chunks[-1].offset + self.chunks[-1].length if self.chunks else 0
+
+
+def finish_layout(
+    layout: ShardLayout, payloads: Sequence[bytes]
+) -> tuple[list[ItemRecord], list[tuple[int, int, str]], list[int], int]:
+    """Place the bytes items after the tensor region.
+
+    Returns (item records, chunk ranges of the whole data region, file offsets of the payloads,
+    data end).
+    """
+    records = [
+        ItemRecord(
+            fqn=t.item.index.fqn,
+            offset=tuple(t.item.index.offset) if t.item.index.offset is not None else None,
+            file_offset=t.file_offset,
+            length=t.nbytes,
+            dtype=dtype_name(t.dtype),
+            shape=t.shape,
+        )
+        for t in layout.tensors
+    ]
+    chunks = list(layout.tensor_chunks)
+    pos = layout.tensor_end
+    offsets = []
+    start = pos
+    for item, payload in zip(layout.byte_items, payloads, strict=True):
+        offsets.append(pos)
+        records.append(ItemRecord(fqn=item.index.fqn, offset=None, file_offset=pos, length=len(payload)))
+        pos += len(payload)
+        pos = _align(pos)
+    for off in range(start, pos, layout.chunk_bytes):
+        chunks.append((off, min(layout.chunk_bytes, pos - off), "bytes"))
+    return records, chunks, offsets, pos
+
+
+def encode_tail(index: ShardIndex) -> tuple[bytes, int]:
+    """The index + footer bytes that end a shard, and the index's crc32c."""
+    doc = {
+        "format_version": index.format_version,
+        "job": index.job,
+        "step": index.step,
+        "rank": index.rank,
+        "chunks": [[c.offset, c.length, c.crc32c, c.dtype, c.codec] for c in index.chunks],
+        "items": [item_to_doc(i) for i in index.items],
+    }
+    body = json.dumps(doc, separators=(",", ":")).encode()
+    crc = crc32c(body)
+    return body + _FOOTER.pack(_MAGIC, len(body), crc), crc
+
+
+def decode_footer(footer: bytes, *, size: int, where: str) -> tuple[int, int]:
+    """(index offset, index crc32c) from a shard's last FOOTER_SIZE bytes."""
+    if len(footer) != FOOTER_SIZE:
+        raise ManifestError(f"{where}: shard is truncated (no footer)")
+    magic, length, crc = _FOOTER.unpack(footer)
+    if magic != _MAGIC:
+        raise ManifestError(f"{where}: not an aegis shard (bad magic {magic!r})")
+    if length > size - FOOTER_SIZE:
+        raise ManifestError(f"{where}: index length {length} exceeds the shard size {size}")
+    return size - FOOTER_SIZE - length, crc
+
+
+def decode_index(body: bytes, *, crc: int, size: int, where: str) -> ShardIndex:
+    if crc32c(body) != crc:
+        raise ManifestError(f"{where}: shard index fails its crc32c check; the shard is damaged")
+    p = _Parser(where)
+    try:
+        d = p.obj(json.loads(body), "shard index")
+    except ValueError as e:
+        raise ManifestError(f"{where}: shard index is not valid JSON ({e})") from e
+    version = p.int_(d.get("format_version"), "format_version")
+    if version > FORMAT_VERSION:
+        raise ManifestError(
+            f"{where}: shard written by a newer aegis (format {version} > {FORMAT_VERSION}); upgrade aegis"
+        )
+    p.fields(d, "shard index", required={"format_version", "job", "step", "rank", "chunks", "items"},
+             optional=set())
+    chunks = tuple(chunk_from_doc(p, c, f"chunks[{i}]") for i, c in enumerate(p.list_(d["chunks"], "chunks")))
+    items = tuple(item_from_doc(p, it, f"items[{i}]") for i, it in enumerate(p.list_(d["items"], "items")))
+    check_layout(p, size, chunks, items, "shard")
+    return ShardIndex(
+        job=p.str_(d["job"], "job"),
+        step=p.int_(d["step"], "step"),
+        rank=p.int_(d["rank"], "rank"),
+        chunks=chunks,
+        items=items,
+        format_version=version,
+    )
+
+
+def verify_chunks(
+    data: memoryview | bytes,
+    chunks: Sequence[ChunkRecord],
+    *,
+    step: int,
+    rank: int,
+    where: str,
+) -> None:
+    """Check every chunk's crc32c; raise :class:`CorruptShardError` naming the first bad chunk."""
+    view = memoryview(data)
+    for i, c in enumerate(chunks):
+        end = c.offset + c.length
+        if end > len(view):
+            raise CorruptShardError(
+                f"shard of rank {rank} at step {step} ({where}) is truncated: chunk {i} ends at "
+                f"byte {end}, the shard has {len(view)}",
+                step=step, rank=rank, chunk=i, where=where,
+            )
+        got = crc32c(view[c.offset:end])
+        if got != c.crc32c:
+            raise CorruptShardError(
+                f"crc32c mismatch in step {step}, rank {rank}, chunk {i} (bytes {c.offset}..{end}) "
+                f"of {where}: expected {c.crc32c:#010x}, got {got:#010x}",
+                step=step, rank=rank, chunk=i, where=where,
+            )

@@ -1,0 +1,73 @@
+"""Manager configuration: a frozen, keyword-only dataclass validated up front."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+from aegis.errors import ConfigError
+from aegis.snapshot.dcp_io import DEFAULT_CHUNK_BYTES
+from aegis.snapshot.node_store import check_job_name, default_store_root
+
+__all__ = ["ManagerConfig"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ManagerConfig:
+    """Everything a :class:`~aegis.Manager` needs besides the state.
+
+    job: names the run; snapshots live under ``<store_dir>/<job>/``.
+    every: snapshot every ``every`` steps (``save(step)`` is a no-op otherwise).
+    keep: committed snapshots kept in memory per node (plus one in flight).
+    store_dir: node store root (a tmpfs); default ``$AEGIS_STORE_DIR`` or ``/dev/shm/aegis``.
+    timeout: bound on every snapshot collective; a peer silent for longer is declared gone.
+    chunk_bytes: checksum/compression unit of a shard.
+    events_dir: where each rank appends its JSON-lines events; default
+        ``$AEGIS_EVENTS_DIR`` or ``<store_dir>/<job>/events``.
+    rng: snapshot the python, numpy, torch (and CUDA) RNG states of every rank.
+    verbose: print one human line per snapshot and restore on rank 0.
+    """
+
+    job: str
+    every: int = 1
+    keep: int = 1
+    store_dir: str | os.PathLike[str] | None = None
+    timeout: timedelta = timedelta(minutes=5)
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    events_dir: str | os.PathLike[str] | None = None
+    rng: bool = True
+    verbose: bool = True
+
+    def __post_init__(self) -> None:
+        check_job_name(self.job)
+        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
+            raise ConfigError(f"every={self.every!r}: must be an integer >= 1 (snapshot every N steps)")
+        if isinstance(self.keep, bool) or not isinstance(self.keep, int) or self.keep < 1:
+            raise ConfigError(
+                f"keep={self.keep!r}: must be an integer >= 1 (the newest committed snapshot is "
+                "always kept)"
+            )
+        if not isinstance(self.timeout, timedelta) or self.timeout.total_seconds() <= 0:
+            raise ConfigError(f"timeout={self.timeout!r}: must be a positive datetime.timedelta")
+        if (
+            isinstance(self.chunk_bytes, bool)
+            or not isinstance(self.chunk_bytes, int)
+            or self.chunk_bytes < 4096
+            or self.chunk_bytes % 64
+        ):
+            raise ConfigError(
+                f"chunk_bytes={self.chunk_bytes!r}: must be an integer >= 4096 and a multiple of 64"
+            )
+
+    @property
+    def store_root(self) -> Path:
+        return Path(self.store_dir) if self.store_dir is not None else default_store_root()
+
+    @property
+    def events_root(self) -> Path:
+        if self.events_dir is not None:
+            return Path(self.events_dir)
+        env = os.environ.get("AEGIS_EVENTS_DIR")
+        return Path(env) if env else self.store_root / self.job / "events"

@@ -1,0 +1,225 @@
+"""The training-loop contract.
+
+::
+
+    mgr = Manager("my-job", {"model": ModelOptimizerState(model, optim),
+                             "scheduler": sched, "data": sampler}, every=1, keep=1)
+    start = mgr.restore()            # all ranks, before the loop; 0 when nothing to restore
+    for step in range(start + 1, total + 1):
+        train_one_step(...)
+        mgr.save(step)               # all ranks, after optimizer.step(); blocks for one copy
+    mgr.close()
+
+Every method is collective: all ranks call it, in the same order, with the same step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from aegis._dist import Group, new_snapshot_group, node_id
+from aegis.errors import AegisError
+from aegis.snapshot.engine import SnapshotEngine, SnapshotHandle, SnapshotResult, format_bytes
+from aegis.snapshot.manifest import Manifest
+from aegis.snapshot.node_store import NodeStore
+from aegis.training.config import ManagerConfig
+from aegis.training.events import EventLog
+from aegis.training.recovery import RestoreResult, restore_newest
+from aegis.training.state import check_state, rng_state, set_rng_state
+
+__all__ = ["Manager"]
+
+_APP = "app"
+_RNG = "rng"
+
+
+class Manager:
+    """Snapshots the training state into host memory and restores it after a failure.
+
+    ``state`` maps names to :class:`ModelOptimizerState` or objects with
+    ``state_dict``/``load_state_dict``. Keyword arguments are :class:`ManagerConfig` fields.
+    Construction is collective (it creates aegis' own gloo group) and checks the configuration
+    and the state before any training time is spent.
+    """
+
+    def __init__(
+        self,
+        job: str,
+        state: Mapping[str, Any],
+        *,
+        every: int = 1,
+        keep: int = 1,
+        store_dir: str | None = None,
+        timeout: timedelta = timedelta(minutes=5),
+        chunk_bytes: int | None = None,
+        events_dir: str | None = None,
+        rng: bool = True,
+        verbose: bool = True,
+    ) -> None:
+        extra = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
+        self.config = ManagerConfig(
+            job=job, every=every, keep=keep, store_dir=store_dir, timeout=timeout,
+            events_dir=events_dir, rng=rng, verbose=verbose, **extra,
+        )
+        check_state(state)
+        self.state = dict(state)
+        self.node = node_id()
+        self.group = Group(new_snapshot_group(self.config.timeout))
+        self.rank = self.group.rank
+        self.world = self.group.world
+        self.store = NodeStore(self.config.store_root, self.config.job)
+        self.events = EventLog(self.config.events_root, job=job, rank=self.rank,
+                               verbose=self.config.verbose)
+        self.engine = SnapshotEngine(
+            self.store,
+            self.group,
+            keep=self.config.keep,
+            chunk_bytes=self.config.chunk_bytes,
+            node=self.node,
+            on_result=self._on_snapshot,
+            mesh={"world_size": self.world},
+        )
+        self.last_restore: RestoreResult | None = None
+        self._closed = False
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def _rng_key(self, rank: int) -> str:
+        return f"rank{rank:05d}"
+
+    def _state_dict(self, manifest: Manifest | None = None) -> dict[str, Any]:
+        """The nested state dict that DCP saves or loads into."""
+        sd: dict[str, Any] = {_APP: {name: obj.state_dict() for name, obj in self.state.items()}}
+        if self.config.rng:
+            key = self._rng_key(self.rank)
+            # On restore, a rank that did not exist when the snapshot was taken keeps its RNG.
+            if manifest is None or any(k.startswith(f"{_RNG}.{key}.") for k in manifest.entries):
+                sd[_RNG] = {key: rng_state()}
+        return sd
+
+    def _apply(self, sd: dict[str, Any], manifest: Manifest) -> None:
+        for name, obj in self.state.items():
+            obj.load_state_dict(sd[_APP][name])
+        rng = sd.get(_RNG, {}).get(self._rng_key(self.rank))
+        if rng is not None:
+            set_rng_state(rng)
+
+    # -- contract ------------------------------------------------------------------------------
+
+    def restore(self) -> int:
+        """Load the newest complete committed snapshot; return its step (0 when none).
+
+        Collective. Raises instead of starting from scratch when snapshots exist but none can be
+        trusted.
+        """
+        self._check_open()
+        self.engine.wait()
+        t0 = time.time()
+        result = restore_newest(
+            self.store,
+            self.group,
+            make_state=self._state_dict,
+            apply_state=self._apply,
+            is_leader=self.engine.is_leader,
+            rank_prefix=f"{_RNG}.",
+        )
+        self.last_restore = result
+        if result is None:
+            self.engine.adopt_committed([])
+            self.events.emit("restore", step=0, found=False, seconds=time.time() - t0)
+            self.events.say("no snapshot to restore: starting from scratch")
+            return 0
+        self.engine.adopt_committed(
+            [s.step for s in self.store.steps() if s.committed and s.step <= result.step]
+        )
+        total = result.timings.get("total_s", 0.0)
+        nbytes = result.bytes_read
+        self.events.emit(
+            "restore",
+            step=result.step,
+            found=True,
+            world_size=self.world,
+            snapshot_world_size=result.manifest.world_size,
+            bytes=nbytes,
+            seconds=total,
+            gbps=nbytes / total / 1e9 if total else 0.0,
+            timings=result.timings,
+            sources=result.sources,
+            skipped=result.skipped,
+        )
+        self.events.say(
+            f"restored step {result.step} ({format_bytes(result.manifest.total_bytes)} from "
+            f"{result.manifest.world_size} rank(s) -> {self.world}) in {total * 1e3:.0f} ms from local memory"
+            + (f"; skipped: {'; '.join(result.skipped)}" if result.skipped else "")
+        )
+        return result.step
+
+    def save(self, step: int) -> SnapshotHandle | None:
+        """Snapshot the state as ``step`` if ``step % every == 0``. Collective.
+
+        Blocks while this rank's shard is copied into host memory; checksums and the commit run
+        in the background. Raises the error of the previous snapshot, if it failed.
+        """
+        self._check_open()
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise AegisError(f"save(step={step!r}): step must be a non-negative integer")
+        if step % self.config.every:
+            return None
+        return self.engine.save(step, self._state_dict())
+
+    def wait(self) -> SnapshotResult | None:
+        """Wait until the in-flight snapshot is committed; re-raise its error. Collective."""
+        return self.engine.wait()
+
+    def close(self) -> None:
+        """Finish the in-flight snapshot and release resources. Collective. Committed snapshots
+        stay in the node store."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.engine.close()
+        finally:
+            if self.group.pg is not None and dist.is_initialized():
+                dist.destroy_process_group(self.group.pg)
+
+    def __enter__(self) -> Manager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise AegisError("this Manager is closed; create a new one")
+
+    # -- events --------------------------------------------------------------------------------
+
+    def _on_snapshot(self, r: SnapshotResult) -> None:
+        self.events.emit(
+            "snapshot",
+            step=r.step,
+            committed=r.committed,
+            bytes=r.shard_bytes,
+            tensor_bytes=r.tensor_bytes,
+            snapshot_bytes=r.snapshot_bytes,
+            blocking_ms=r.blocking_s * 1e3,
+            wait_ms=r.wait_s * 1e3,
+            copy_ms=r.copy_s * 1e3,
+            plan_ms=r.plan_s * 1e3,
+            staging_gbps=r.staging_gbps,
+            background_ms=r.background_s * 1e3,
+            commit_ms=r.commit_s * 1e3,
+            error=r.error,
+        )
+        if r.committed:
+            self.events.say(
+                f"step {r.step}: snapshot {format_bytes(r.snapshot_bytes)} committed; rank 0 "
+                f"blocked {r.blocking_s * 1e3:.1f} ms ({r.staging_gbps:.2f} GB/s copy), background "
+                f"{r.background_s * 1e3:.1f} ms"
+            )

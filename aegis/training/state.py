@@ -1,0 +1,128 @@
+"""State adapters: what a snapshot holds and how it goes back into live objects.
+
+The Manager's state is a mapping name -> object. An object is either a
+:class:`ModelOptimizerState` (an FSDP2 model and its optimizers, through DCP's
+``get_state_dict``/``set_state_dict``) or anything with ``state_dict()`` and
+``load_state_dict()`` (LR scheduler, data sampler, user extras). RNG states of every rank are
+added by the Manager itself (see :func:`rng_state`).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
+
+from aegis.errors import ConfigError
+
+__all__ = ["ModelOptimizerState", "rng_state", "set_rng_state", "check_state"]
+
+
+class ModelOptimizerState:
+    """An (FSDP2) model and its optimizer(s), saved sharded through DCP's state-dict API.
+
+    ``state_dict()`` returns views of live tensors; the snapshot engine copies them before
+    ``save()`` returns, so the next optimizer step cannot change a snapshot.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] | None = None,
+        *,
+        options: StateDictOptions | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"ModelOptimizerState: model must be an nn.Module, got {type(model).__name__}")
+        if optimizers is None:
+            self.optimizers: tuple[torch.optim.Optimizer, ...] = ()
+        elif isinstance(optimizers, torch.optim.Optimizer):
+            self.optimizers = (optimizers,)
+        else:
+            self.optimizers = tuple(optimizers)
+        self.model = model
+        self.options = options
+
+    def state_dict(self) -> dict[str, Any]:
+        if not self.optimizers:
+            from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+            return {"model": get_model_state_dict(self.model, options=self.options)}
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizers, options=self.options)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if not self.optimizers:
+            from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+            set_model_state_dict(self.model, dict(state["model"]), options=self.options)
+            return
+        set_state_dict(
+            self.model,
+            self.optimizers,
+            model_state_dict=dict(state["model"]),
+            optim_state_dict=dict(state["optim"]),
+            options=self.options,
+        )
+
+
+def check_state(state: Mapping[str, Any]) -> None:
+    """Reject a state mapping the Manager cannot snapshot, before any training time is spent."""
+    if not isinstance(state, Mapping) or not state:
+        raise ConfigError("state must be a non-empty mapping of name -> stateful object")
+    for name, obj in state.items():
+        if not isinstance(name, str) or not name or "." in name:
+            raise ConfigError(f"state key {name!r}: use a non-empty string without '.'")
+        if isinstance(obj, nn.Module):
+            raise ConfigError(
+                f"state[{name!r}] is a bare nn.Module; wrap it with its optimizer: "
+                f"ModelOptimizerState(model, optimizer)"
+            )
+        if isinstance(obj, ModelOptimizerState):
+            continue
+        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+            raise ConfigError(
+                f"state[{name!r}] ({type(obj).__name__}) has no state_dict()/load_state_dict(); "
+                "give it both, or leave it out of the snapshot"
+            )
+
+
+# -- RNG ------------------------------------------------------------------------------------------
+# Stored as plain tensors (no pickle), one set per rank: RNG streams differ between ranks.
+
+
+def rng_state() -> dict[str, torch.Tensor]:
+    version, mt, gauss = random.getstate()
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state(legacy=True)  # type: ignore[misc]
+    assert np_name == "MT19937"
+    out = {
+        "python": torch.tensor([version, *mt, 0 if gauss is None else 1], dtype=torch.int64),
+        "python_gauss": torch.tensor([0.0 if gauss is None else gauss], dtype=torch.float64),
+        "numpy": torch.tensor([*np_keys.tolist(), np_pos, np_has_gauss], dtype=torch.int64),
+        "numpy_gauss": torch.tensor([np_gauss], dtype=torch.float64),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = torch.cuda.get_rng_state()
+    return out
+
+
+def set_rng_state(state: Mapping[str, torch.Tensor]) -> None:
+    py = state["python"].tolist()
+    gauss = float(state["python_gauss"][0]) if py[-1] else None
+    random.setstate((py[0], tuple(py[1:-1]), gauss))
+    npv = state["numpy"].tolist()
+    np.random.set_state(("MT19937", np.array(npv[:-2], dtype=np.uint32), npv[-2], npv[-1],
+                         float(state["numpy_gauss"][0])))
+    torch.set_rng_state(state["torch"].to(torch.uint8))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"].to(torch.uint8))
