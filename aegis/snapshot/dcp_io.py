@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.futures import Future
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
@@ -38,7 +37,9 @@ from torch.distributed.checkpoint.planner import (
     SavePlanner,
 )
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
 
+from aegis import _fault
 from aegis.snapshot.manifest import (
     ChunkRecord,
     ItemRecord,
@@ -98,8 +99,11 @@ def stage(step: int, rank: int, layout: ShardLayout, slot: Slot, planner: SavePl
     """
     t0 = time.perf_counter()
     view = slot.view
+    half = len(layout.tensors) // 2
     with torch.no_grad():
-        for t in layout.tensors:
+        for i, t in enumerate(layout.tensors):
+            if i == half:
+                _fault.hit("stage", step, rank)
             src = planner.resolve_data(t.item)
             assert isinstance(src, torch.Tensor)
             dst = view[t.file_offset:t.file_offset + t.nbytes].view(t.dtype).view(t.shape)
@@ -130,6 +134,7 @@ def complete(staged: StagedShard, *, job: str, node: str) -> ShardRecord:
             crc = crc32c(memoryview(region)[start:start + length])
         chunks.append(ChunkRecord(off, length, crc, dtype))
     mem.release()
+    _fault.hit("complete", staged.step, staged.rank)
     index = ShardIndex(job=job, step=staged.step, rank=staged.rank, chunks=tuple(chunks), items=tuple(records))
     tail, icrc = encode_tail(index)
     payload_writes = [(layout.tensor_end, bytes(region))] if region else []

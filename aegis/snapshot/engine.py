@@ -31,6 +31,7 @@ import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.tensor import DTensor
 
+from aegis import _fault
 from aegis._dist import Group
 from aegis.errors import AegisError, CollectiveError, StoreFullError
 from aegis.snapshot.dcp_io import DEFAULT_CHUNK_BYTES, StagedShard, complete, stage
@@ -353,6 +354,7 @@ class SnapshotEngine:
             raise CollectiveError(f"snapshot of step {result.step}", payload)
         manifest: Manifest = payload
         if self.is_leader:
+            _fault.hit("commit", result.step, self.rank)
             self.store.write_manifest(manifest)
         result.committed = True
         result.snapshot_bytes = manifest.total_bytes

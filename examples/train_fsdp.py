@@ -1,0 +1,572 @@
+#!/usr/bin/env python
+"""Reference FSDP2 trainer for aegis: a small decoder-only transformer on synthetic tokens.
+
+Runs under ``torchrun`` (any world size) or as a plain single process (world 1)::
+
+    torchrun --standalone --nproc_per_node=2 examples/train_fsdp.py --config tiny --steps 20
+    python examples/train_fsdp.py --config tiny --steps 20 --no-aegis
+
+Same seed and world size -> bitwise identical loss sequence on CPU. With aegis enabled a run
+that is killed and resumed produces the same losses as an uninterrupted one.
+
+The reusable pieces (``CONFIGS``, ``GPTConfig``, ``TinyGPT``, ``build_model``,
+``SyntheticTokens``, ``ResumableSampler``, ``build_optimizer_and_scheduler``) are importable by
+path, e.g. with ``importlib.util.spec_from_file_location``; importing has no side effects.
+"""
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+# --------------------------------------------------------------------------------------------
+# Model
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    seq_len: int
+    mlp_ratio: int = 4
+    dropout: float = 0.0
+    lr: float = 3e-3  # default peak learning rate for this size (--lr overrides)
+
+
+CONFIGS: dict[str, GPTConfig] = {
+    # ~0.11M params
+    "tiny": GPTConfig(vocab_size=256, dim=56, n_layers=2, n_heads=2, seq_len=32),
+    # ~3.7M params
+    "small": GPTConfig(vocab_size=1024, dim=256, n_layers=4, n_heads=4, seq_len=128, lr=1e-3),
+    # ~21M params
+    "medium": GPTConfig(vocab_size=2048, dim=512, n_layers=6, n_heads=8, seq_len=256, lr=6e-4),
+    # ~50M params
+    "50m": GPTConfig(vocab_size=8192, dim=640, n_layers=8, n_heads=10, seq_len=256, lr=6e-4),
+}
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        if cfg.dim % cfg.n_heads:
+            raise ValueError(f"dim {cfg.dim} is not divisible by n_heads {cfg.n_heads}")
+        self.n_heads = cfg.n_heads
+        self.dropout = cfg.dropout
+        self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim)
+        self.proj = nn.Linear(cfg.dim, cfg.dim)
+        self.resid_drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q = q.view(b, t, self.n_heads, c // self.n_heads).transpose(1, 2)
+        k = k.view(b, t, self.n_heads, c // self.n_heads).transpose(1, 2)
+        v = v.view(b, t, self.n_heads, c // self.n_heads).transpose(1, 2)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        y = y.transpose(1, 2).contiguous().view(b, t, c)
+        return self.resid_drop(self.proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.dim, cfg.mlp_ratio * cfg.dim)
+        self.proj = nn.Linear(cfg.mlp_ratio * cfg.dim, cfg.dim)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.proj(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.dim)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.dim)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(nn.Module):
+    """Decoder-only transformer: token + learned positional embedding, pre-LN blocks,
+    final LayerNorm, untied LM head."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.dim)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.ln_f = nn.LayerNorm(cfg.dim)
+        self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.apply(self._init_weights)
+        # GPT-2 style scaled init of the residual projections.
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layers))
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        if t > self.cfg.seq_len:
+            raise ValueError(f"sequence length {t} > model seq_len {self.cfg.seq_len}")
+        pos = torch.arange(t, device=idx.device)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def count_params(model: nn.Module) -> int:
+    """Number of parameters (the full count, also for FSDP2-sharded DTensor params)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def build_model(
+    config: str | GPTConfig,
+    *,
+    seed: int = 0,
+    dropout: float | None = None,
+    mesh: Any = None,
+) -> TinyGPT:
+    """Build ``TinyGPT`` with a deterministic init (seeded here, identical on every rank).
+
+    With ``mesh`` (a 1-D DeviceMesh) each block and then the root are wrapped with FSDP2
+    ``fully_shard``; parameters move to the mesh's device type.
+    """
+    cfg = CONFIGS[config] if isinstance(config, str) else config
+    if dropout is not None:
+        cfg = dataclasses.replace(cfg, dropout=dropout)
+    torch.manual_seed(seed)
+    model = TinyGPT(cfg)
+    if mesh is not None:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    return model
+
+
+def build_optimizer_and_scheduler(
+    model: nn.Module,
+    *,
+    lr: float,
+    total_steps: int,
+    warmup_steps: int | None = None,
+    weight_decay: float = 0.1,
+    min_lr_ratio: float = 0.1,
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW (no decay on biases, norms) + LambdaLR: linear warmup, then cosine to
+    ``min_lr_ratio * lr`` at ``total_steps``.
+
+    ``scheduler.step()`` is called once per training step, so training step ``s`` (1-based)
+    runs with factor ``lr_lambda(s - 1)``.
+    """
+    if warmup_steps is None:
+        warmup_steps = max(1, total_steps // 10)
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=lr,
+        betas=(0.9, 0.95),
+        foreach=True,
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, WarmupCosine(warmup_steps, total_steps, min_lr_ratio)
+    )
+    return optimizer, scheduler
+
+
+class WarmupCosine:
+    """LR factor: linear warmup over ``warmup`` steps, cosine decay to ``min_ratio`` at
+    ``total``. A callable object (not a lambda) so LambdaLR's state_dict records it."""
+
+    def __init__(self, warmup: int, total: int, min_ratio: float = 0.1) -> None:
+        self.warmup = int(warmup)
+        self.total = int(total)
+        self.min_ratio = float(min_ratio)
+
+    def __call__(self, i: int) -> float:
+        if i < self.warmup:
+            return (i + 1) / self.warmup
+        span = max(1, self.total - self.warmup)
+        progress = min(1.0, (i - self.warmup) / span)
+        return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+# --------------------------------------------------------------------------------------------
+# Data
+# --------------------------------------------------------------------------------------------
+
+_MASK63 = (1 << 63) - 1
+
+
+def _mix_seed(seed: int, index: int) -> int:
+    """A 63-bit generator seed derived from (seed, index) only (splitmix64 finaliser)."""
+    z = (int(seed) * 0x9E3779B97F4A7C15 + int(index) + 0x632BE59BD9B4E019) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & _MASK63
+
+
+class SyntheticTokens:
+    """Infinite deterministic token dataset; sample ``i`` depends only on ``(seed, i)``.
+
+    Each sample is a noisy repeating pattern: a random motif of 2..``max_period`` tokens,
+    repeated to ``seq_len + 1`` tokens, with each token replaced by a uniform random one with
+    probability ``noise``. Motif tokens are drawn from a seed-dependent Zipf-like distribution so
+    that the loss drops early (unigram statistics) and keeps dropping (in-context copying).
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        seq_len: int,
+        seed: int = 0,
+        *,
+        noise: float = 0.1,
+        max_period: int = 8,
+    ) -> None:
+        self.vocab_size = int(vocab_size)
+        self.seq_len = int(seq_len)
+        self.seed = int(seed)
+        self.noise = float(noise)
+        self.max_period = int(max_period)
+        g = torch.Generator().manual_seed(_mix_seed(self.seed, -1))
+        ranks = torch.randperm(self.vocab_size, generator=g).to(torch.float64)
+        self._probs = 1.0 / (ranks + 1.0)  # token -> Zipf weight, order set by the seed
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        """``seq_len + 1`` int64 tokens (inputs are ``[:-1]``, targets ``[1:]``)."""
+        g = torch.Generator().manual_seed(_mix_seed(self.seed, index))
+        n = self.seq_len + 1
+        period = int(torch.randint(2, self.max_period + 1, (1,), generator=g))
+        motif = torch.multinomial(self._probs, period, replacement=True, generator=g)
+        seq = motif.repeat(-(-n // period))[:n]
+        noisy = torch.rand(n, generator=g) < self.noise
+        random_tokens = torch.randint(0, self.vocab_size, (n,), generator=g)
+        return torch.where(noisy, random_tokens, seq)
+
+    def batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets), each ``[len(indices), seq_len]`` int64 on CPU."""
+        data = torch.stack([self[i] for i in indices])
+        return data[:, :-1].contiguous(), data[:, 1:].contiguous()
+
+
+class ResumableSampler:
+    """Yields global batches of sample indices; its position is counted in global batches.
+
+    Global batch ``g`` holds samples ``[g * G, (g + 1) * G)`` with ``G = batch_size *
+    world_size``; rank ``r`` uses ``[r * batch_size, (r + 1) * batch_size)`` of it
+    (``local_indices``). The state is ``{"consumed": <global batches yielded>, "seed": ...}``,
+    independent of the world size, so a run saved at world N resumes at the same global batch
+    number at world M (later batches then use the new global batch size).
+    """
+
+    def __init__(self, batch_size: int, world_size: int = 1, rank: int = 0, seed: int = 0) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} out of range for world size {world_size}")
+        self.batch_size = int(batch_size)
+        self.world_size = int(world_size)
+        self.rank = int(rank)
+        self.seed = int(seed)
+        self.consumed = 0
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.batch_size * self.world_size
+
+    def global_indices(self, g: int) -> list[int]:
+        start = g * self.global_batch_size
+        return list(range(start, start + self.global_batch_size))
+
+    def local_indices(self, global_batch: list[int]) -> list[int]:
+        lo = self.rank * self.batch_size
+        return global_batch[lo : lo + self.batch_size]
+
+    def next_global_batch(self) -> list[int]:
+        batch = self.global_indices(self.consumed)
+        self.consumed += 1
+        return batch
+
+    def __iter__(self) -> Iterator[list[int]]:
+        while True:
+            yield self.next_global_batch()
+
+    def state_dict(self) -> dict[str, int]:
+        return {"consumed": int(self.consumed), "seed": int(self.seed)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.consumed = int(state_dict["consumed"])
+        self.seed = int(state_dict["seed"])
+
+
+# --------------------------------------------------------------------------------------------
+# Distributed setup
+# --------------------------------------------------------------------------------------------
+
+
+def init_distributed(device: str) -> tuple[int, int, int, str | None]:
+    """Initialise the default process group; returns (rank, world, local_rank, filestore path).
+
+    Under torchrun the env:// rendezvous is used. Without it a world-1 group is created on a
+    temporary FileStore (the returned path, to delete at the end).
+    """
+    backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        rank = int(os.environ["RANK"])
+        world = int(os.environ["WORLD_SIZE"])
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if device == "cuda":
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group(backend=backend)
+        return rank, world, local_rank, None
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    fd, path = tempfile.mkstemp(prefix="train_fsdp_store_")
+    os.close(fd)
+    os.unlink(path)  # FileStore creates it
+    store = dist.FileStore(path, 1)
+    dist.init_process_group(backend=backend, store=store, rank=0, world_size=1)
+    return 0, 1, 0, path
+
+
+def global_mean(value: torch.Tensor, world: int) -> float:
+    """Mean of a scalar over all ranks (SUM / world in float64; every rank gets the same)."""
+    t = value.detach().to(torch.float64).reshape(1)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return float(t.item()) / world
+
+
+def dump_state(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict) -> None:
+    """Collective: gather the full unsharded model + optimizer state; rank 0 writes ``path``."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model_sd, optim_sd = get_state_dict(
+        model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    if dist.get_rank() == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}"
+        torch.save({"model": model_sd, "optim": optim_sd, **extra}, tmp)
+        os.replace(tmp, path)
+    dist.barrier()
+
+
+# --------------------------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--config", default="tiny", choices=sorted(CONFIGS))
+    p.add_argument("--steps", type=int, default=100, help="last step to run (steps start at 1)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=None, help="peak LR (default: per config)")
+    p.add_argument("--warmup-steps", type=int, default=None, help="default: steps // 10")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
+    p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--job", default="train_fsdp")
+    p.add_argument("--store-dir", default=None, help="aegis node store (default /dev/shm/aegis)")
+    p.add_argument("--every", type=int, default=1, help="aegis snapshot every N steps")
+    p.add_argument("--keep", type=int, default=1, help="aegis in-memory snapshots to keep")
+    p.add_argument("--no-aegis", action="store_true", help="train without checkpointing")
+    p.add_argument("--loss-log", default=None, help="append one JSON line per step (rank 0)")
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cuda" if torch.cuda.is_available() else "cpu",
+    )
+    p.add_argument("--step-sleep", type=float, default=0.0, help="sleep after each step (s)")
+    p.add_argument("--dump-state", default=None, help="rank 0 torch.saves full state at the end")
+    args = p.parse_args(argv)
+    if args.steps < 0 or args.batch_size < 1 or args.every < 1:
+        p.error("--steps must be >= 0, --batch-size and --every >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
+    if args.device == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    else:
+        torch.use_deterministic_algorithms(True)
+
+    rank, world, local_rank, store_path = init_distributed(args.device)
+    try:
+        return _train(args, rank, world, local_rank)
+    finally:
+        dist.destroy_process_group()
+        if store_path is not None and os.path.exists(store_path):
+            os.unlink(store_path)
+
+
+def _train(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> int:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device("cpu")
+    mesh = init_device_mesh(args.device, (world,))
+    model = build_model(args.config, seed=args.seed, dropout=args.dropout, mesh=mesh)
+    cfg = model.cfg
+    # Distinct (but seed-determined) RNG stream per rank for dropout; aegis checkpoints it.
+    torch.manual_seed(args.seed + 1 + rank)
+    optimizer, scheduler = build_optimizer_and_scheduler(
+        model,
+        lr=args.lr if args.lr is not None else cfg.lr,
+        total_steps=args.steps,
+        warmup_steps=args.warmup_steps,
+    )
+    data = SyntheticTokens(cfg.vocab_size, cfg.seq_len, seed=args.seed)
+    sampler = ResumableSampler(args.batch_size, world_size=world, rank=rank, seed=args.seed)
+    if rank == 0:
+        print(
+            f"[train_fsdp] config={args.config} params={count_params(model):,} world={world} "
+            f"device={args.device} batch={args.batch_size}x{world} seq={cfg.seq_len} "
+            f"aegis={'off' if args.no_aegis else 'on'}",
+            flush=True,
+        )
+
+    mgr = None
+    start = 0
+    if not args.no_aegis:
+        try:
+            from aegis import Manager, ModelOptimizerState
+        except ImportError:  # running from a checkout without the package installed
+            sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+            from aegis import Manager, ModelOptimizerState
+
+        mgr = Manager(
+            args.job,
+            {
+                "model": ModelOptimizerState(model, optimizer),
+                "scheduler": scheduler,
+                "data": sampler,
+            },
+            every=args.every,
+            keep=args.keep,
+            store_dir=args.store_dir,
+        )
+        t0 = time.perf_counter()
+        start = mgr.restore()
+        if rank == 0:
+            print(
+                f"[train_fsdp] restored step {start} in {time.perf_counter() - t0:.3f}s"
+                if start
+                else "[train_fsdp] no snapshot, starting from scratch",
+                flush=True,
+            )
+        # Guard against data/step drift; aegis restores the sampler together with the step.
+        if sampler.consumed != start:
+            raise RuntimeError(f"sampler at {sampler.consumed} global batches, step {start}")
+
+    log = open(args.loss_log, "a") if (args.loss_log and rank == 0) else None  # noqa: SIM115
+    try:
+        model.train()
+        loss = float("nan")
+        for step in range(start + 1, args.steps + 1):
+            t0 = time.perf_counter()
+            indices = sampler.local_indices(sampler.next_global_batch())
+            inputs, targets = data.batch(indices)
+            inputs, targets = inputs.to(device), targets.to(device)
+            lr = scheduler.get_last_lr()[0]
+            logits = model(inputs)
+            loss_t = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+            loss_t.backward()
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            loss = global_mean(loss_t, world)
+            t1 = time.perf_counter()
+            if mgr is not None:
+                mgr.save(step)
+            t2 = time.perf_counter()
+            if rank == 0:
+                print(
+                    f"step {step:>6}/{args.steps} loss {loss:.6f} lr {lr:.3e} "
+                    f"{(t1 - t0) * 1e3:7.1f} ms  save {(t2 - t1) * 1e3:6.1f} ms",
+                    flush=True,
+                )
+                if log is not None:
+                    rec = {
+                        "step": step,
+                        "loss": loss,
+                        "loss_hex": float.hex(loss),
+                        "world": world,
+                        "time": time.time(),
+                        "lr": lr,
+                        "step_time": t1 - t0,
+                        "save_time": t2 - t1,
+                    }
+                    log.write(json.dumps(rec) + "\n")
+                    log.flush()
+                    os.fsync(log.fileno())
+            if args.step_sleep > 0:
+                time.sleep(args.step_sleep)
+        if mgr is not None:
+            mgr.close()
+            mgr = None
+        if args.dump_state:
+            final_step = max(start, args.steps)
+            dump_state(
+                args.dump_state,
+                model,
+                optimizer,
+                {
+                    "step": final_step,
+                    "world": world,
+                    "scheduler": scheduler.state_dict(),
+                    "data": sampler.state_dict(),
+                    "config": args.config,
+                },
+            )
+            if rank == 0:
+                print(f"[train_fsdp] dumped state at step {final_step} to {args.dump_state}")
+    finally:
+        if log is not None:
+            log.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
