@@ -7,7 +7,10 @@ Like torchsnapshot's ``run_with_pet``: every rank is a spawned process with its 
 from __future__ import annotations
 
 import os
+import pickle
+import queue as queue_mod
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -35,9 +38,11 @@ def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tupl
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         result = fn(rank, world, *args)
-        queue.put((rank, True, result))
+        # Plain pickle bytes: torch's queue reducers share tensors through fds that vanish
+        # when this process exits.
+        queue.put((rank, True, pickle.dumps(result)))
     except BaseException as e:  # noqa: BLE001 - reported to the test
-        queue.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        queue.put((rank, False, pickle.dumps(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -56,10 +61,20 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 1
     for p in procs:
         p.start()
     results: dict[int, tuple[bool, Any]] = {}
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world):
-            rank, ok, value = queue.get(timeout=timeout)
-            results[rank] = (ok, value)
+        while len(results) < world:
+            try:
+                rank, ok, value = queue.get(timeout=0.5)
+                results[rank] = (ok, pickle.loads(value))
+                continue
+            except queue_mod.Empty:
+                pass
+            dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode not in (None, 0)]
+            if dead:
+                raise RuntimeError(f"rank(s) {dead} died with exit codes {[procs[r].exitcode for r in dead]}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"ranks {sorted(set(range(world)) - results.keys())} did not finish in {timeout} s")
     finally:
         for p in procs:
             p.join(timeout=10)

@@ -188,21 +188,20 @@ class NodeStore:
                 raise CorruptShardError(
                     f"shard of rank {record.rank} at step {step} in {where} has {size} bytes, the "
                     f"manifest says {record.size}", step=step, rank=record.rank, where=where)
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-                view = memoryview(m)
-                try:
-                    verify_chunks(view, record.chunks, step=step, rank=record.rank, where=where)
-                    if size < FOOTER_SIZE:
-                        raise CorruptShardError(f"shard of rank {record.rank} at step {step} is truncated",
-                                                step=step, rank=record.rank, where=where)
-                    try:
-                        _, icrc = decode_footer(bytes(view[size - FOOTER_SIZE:]), size=size,
-                                                where=str(path))
-                    except ManifestError as e:
-                        raise CorruptShardError(f"shard of rank {record.rank} at step {step}: {e}",
-                                                step=step, rank=record.rank, where=where) from e
-                finally:
-                    view.release()
+            if size < FOOTER_SIZE:
+                raise CorruptShardError(f"shard of rank {record.rank} at step {step} is truncated",
+                                        step=step, rank=record.rank, where=where)
+            m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            try:
+                verify_chunks(m, record.chunks, step=step, rank=record.rank, where=where)
+                footer = m[size - FOOTER_SIZE:]
+            finally:
+                m.close()
+            try:
+                _, icrc = decode_footer(footer, size=size, where=str(path))
+            except ManifestError as e:
+                raise CorruptShardError(f"shard of rank {record.rank} at step {step}: {e}",
+                                        step=step, rank=record.rank, where=where) from e
             if icrc != record.index_crc32c:
                 raise CorruptShardError(
                     f"shard index of rank {record.rank} at step {step} in {where} does not match the "

@@ -237,19 +237,30 @@ def verify_chunks(
     where: str,
 ) -> None:
     """Check every chunk's crc32c; raise :class:`CorruptShardError` naming the first bad chunk."""
-    view = memoryview(data)
-    for i, c in enumerate(chunks):
-        end = c.offset + c.length
-        if end > len(view):
-            raise CorruptShardError(
-                f"shard of rank {rank} at step {step} ({where}) is truncated: chunk {i} ends at "
-                f"byte {end}, the shard has {len(view)}",
-                step=step, rank=rank, chunk=i, where=where,
-            )
-        got = crc32c(view[c.offset:end])
-        if got != c.crc32c:
-            raise CorruptShardError(
-                f"crc32c mismatch in step {step}, rank {rank}, chunk {i} (bytes {c.offset}..{end}) "
-                f"of {where}: expected {c.crc32c:#010x}, got {got:#010x}",
-                step=step, rank=rank, chunk=i, where=where,
-            )
+    bad: tuple[int, ChunkRecord, int, int] | None = None
+    with memoryview(data) as view:
+        size = len(view)
+        for i, c in enumerate(chunks):
+            end = c.offset + c.length
+            if end > size:
+                bad = (i, c, end, -1)
+                break
+            with view[c.offset:end] as part:
+                got = crc32c(part)
+            if got != c.crc32c:
+                bad = (i, c, end, got)
+                break
+    if bad is None:
+        return
+    i, c, end, got = bad
+    if got < 0:
+        raise CorruptShardError(
+            f"shard of rank {rank} at step {step} ({where}) is truncated: chunk {i} ends at "
+            f"byte {end}, the shard has {size}",
+            step=step, rank=rank, chunk=i, where=where,
+        )
+    raise CorruptShardError(
+        f"crc32c mismatch in step {step}, rank {rank}, chunk {i} (bytes {c.offset}..{end}) "
+        f"of {where}: expected {c.crc32c:#010x}, got {got:#010x}",
+        step=step, rank=rank, chunk=i, where=where,
+    )

@@ -1,0 +1,364 @@
+"""Manager end to end on real gloo ranks: save, restore, reshard, corruption, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from aegis import ConfigError, Manager, ModelOptimizerState
+from aegis.snapshot.manifest import Manifest
+from aegis.snapshot.node_store import NodeStore
+from tests.dist_utils import run_ranks
+from tests.models import Counter, build, full_state, train_step
+
+JOB = "t"
+
+
+def _tensors(sd: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Flatten nested dicts/lists to name -> tensor (non-tensors as 0-d float64 tensors)."""
+    out: dict[str, torch.Tensor] = {}
+    if isinstance(sd, dict):
+        for k, v in sd.items():
+            out.update(_tensors(v, f"{prefix}{k}."))
+    elif isinstance(sd, (list, tuple)):
+        for i, v in enumerate(sd):
+            out.update(_tensors(v, f"{prefix}{i}."))
+    elif isinstance(sd, torch.Tensor):
+        out[prefix[:-1]] = sd.detach().clone()
+    elif isinstance(sd, (int, float, bool)):
+        out[prefix[:-1]] = torch.tensor(float(sd), dtype=torch.float64)
+    return out
+
+
+def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype, k
+        assert torch.equal(a[k].view(torch.uint8) if a[k].dim() else a[k], b[k].view(torch.uint8) if b[k].dim() else b[k]), k
+
+
+def _manager(store: str, model, opt, sched, extra=None, **kw) -> Manager:  # type: ignore[no-untyped-def]
+    state = {"model": ModelOptimizerState(model, opt), "sched": sched}
+    if extra is not None:
+        state["extra"] = extra
+    return Manager(JOB, state, store_dir=store, verbose=False, **kw)
+
+
+# -- save -> restore (same world), RNG and extras, in-place edits after save -----------------
+
+
+def _save_then_restore(rank: int, world: int, store: str) -> dict[str, Any]:
+    model, opt, sched = build(world, seed=0)
+    extra = Counter()
+    mgr = _manager(store, model, opt, sched, extra)
+    assert mgr.restore() == 0
+    for step in range(1, 4):
+        train_step(model, opt, sched, step, rank)
+        extra.n += 1
+        extra.history.append(step)
+        mgr.save(step)
+    # Change every parameter in place right after save() returns: the snapshot must not see it.
+    saved = _tensors(full_state(model, opt))
+    rng_after_save = torch.rand(3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    mgr.wait()
+    mgr.close()
+
+    # A fresh model (other seed), fresh optimizer, restored from the node store.
+    model2, opt2, sched2 = build(world, seed=123)
+    extra2 = Counter()
+    mgr2 = _manager(store, model2, opt2, sched2, extra2)
+    step = mgr2.restore()
+    restored = _tensors(full_state(model2, opt2))
+    out = {
+        "step": step,
+        "extra": extra2.state_dict(),
+        "sched": sched2.state_dict()["last_epoch"],
+        "rng_equal": torch.equal(torch.rand(3), rng_after_save),
+    }
+    if rank == 0:
+        assert_bitwise_equal(saved, restored)
+        out["n_tensors"] = len(restored)
+    # Training continues identically from the restored state.
+    out["next_loss"] = train_step(model2, opt2, sched2, 4, rank)
+    mgr2.close()
+    return out
+
+
+def test_save_restore_bitwise_with_rng_extras_and_inplace_edits(store_dir: Path) -> None:
+    results = run_ranks(2, _save_then_restore, str(store_dir))
+    for r in results:
+        assert r["step"] == 3
+        assert r["extra"] == {"n": 3, "history": [1, 2, 3]}
+        assert r["sched"] == 3
+        assert r["rng_equal"], "RNG state was not restored"
+    assert results[0]["n_tensors"] > 10
+    # Event lines: one per snapshot and per restore per rank.
+    events = [json.loads(x) for x in (store_dir / JOB / "events" / "rank-00001.jsonl").read_text().splitlines()]
+    snaps = [e for e in events if e["event"] == "snapshot"]
+    assert [e["step"] for e in snaps] == [1, 2, 3] and all(e["committed"] for e in snaps)
+    assert all(e["blocking_ms"] > 0 and e["bytes"] > 0 and "staging_gbps" in e for e in snaps)
+    restores = [e for e in events if e["event"] == "restore"]
+    assert restores[-1]["step"] == 3 and restores[-1]["sources"]
+
+
+def _continue_reference(rank: int, world: int) -> float:
+    model, opt, sched = build(world, seed=0)
+    for step in range(1, 4):
+        train_step(model, opt, sched, step, rank)
+    return train_step(model, opt, sched, 4, rank)
+
+
+def test_restored_training_matches_uninterrupted(store_dir: Path) -> None:
+    restored = run_ranks(2, _save_then_restore, str(store_dir))
+    reference = run_ranks(2, _continue_reference)
+    # The in-place +1 edit happened after save(): the resumed step-4 loss is the reference one.
+    assert [r["next_loss"] for r in restored] == reference
+
+
+# -- resharding: 2 ranks -> 3 and -> 1 ----------------------------------------------------------
+
+
+def _save_only(rank: int, world: int, store: str) -> dict[str, torch.Tensor] | None:
+    model, opt, sched = build(world, seed=0)
+    mgr = _manager(store, model, opt, sched)
+    for step in range(1, 3):
+        train_step(model, opt, sched, step, rank)
+        mgr.save(step)
+    mgr.wait()
+    full = _tensors(full_state(model, opt))
+    mgr.close()
+    return full if rank == 0 else None
+
+
+def _restore_only(rank: int, world: int, store: str) -> tuple[int, dict[str, torch.Tensor] | None]:
+    model, opt, sched = build(world, seed=7)
+    mgr = _manager(store, model, opt, sched)
+    step = mgr.restore()
+    full = _tensors(full_state(model, opt))
+    mgr.close()
+    return step, (full if rank == 0 else None)
+
+
+@pytest.mark.parametrize("new_world", [3, 1])
+def test_reshard_from_two_ranks(store_dir: Path, new_world: int) -> None:
+    saved = run_ranks(2, _save_only, str(store_dir))[0]
+    results = run_ranks(new_world, _restore_only, str(store_dir))
+    assert all(step == 2 for step, _ in results)
+    restored = results[0][1]
+    assert saved is not None and restored is not None
+    assert_bitwise_equal(saved, restored)
+
+
+# -- corruption --------------------------------------------------------------------------------
+
+
+def _save_steps(rank: int, world: int, store: str, steps: int, keep: int) -> None:
+    model, opt, sched = build(world, seed=0)
+    mgr = _manager(store, model, opt, sched, keep=keep)
+    for step in range(1, steps + 1):
+        train_step(model, opt, sched, step, rank)
+        mgr.save(step)
+    mgr.close()
+
+
+def _restore_step(rank: int, world: int, store: str) -> tuple[int, list[str]]:
+    model, opt, sched = build(world, seed=7)
+    mgr = _manager(store, model, opt, sched, keep=2)
+    try:
+        step = mgr.restore()
+        assert mgr.last_restore is not None
+        return step, mgr.last_restore.skipped
+    finally:
+        mgr.close()
+
+
+def _restore_error(rank: int, world: int, store: str, state: str = "same") -> str:
+    model, opt, sched = build(world, seed=7)
+    if state == "same":
+        mgr = _manager(store, model, opt, sched)
+    else:  # another set of state names than the snapshot's
+        mgr = Manager(JOB, {"model": ModelOptimizerState(model, opt), "other": Counter()},
+                      store_dir=store, verbose=False)
+    try:
+        mgr.restore()
+    except Exception as e:  # noqa: BLE001 - returned to the test
+        return f"{type(e).__name__}: {e}"
+    finally:
+        mgr.close()
+    return "no error"
+
+
+def flip_byte(store: Path, step: int, rank: int, chunk_offset: int = 100) -> None:
+    path = NodeStore(store, JOB).shard_path(step, rank)
+    with open(path, "r+b") as f:
+        f.seek(chunk_offset)
+        b = f.read(1)
+        f.seek(chunk_offset)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
+def test_flipped_byte_falls_back_to_previous_committed_step(store_dir: Path) -> None:
+    run_ranks(2, _save_steps, str(store_dir), 3, 2)
+    store = NodeStore(store_dir, JOB)
+    assert [s.step for s in store.steps() if s.committed] == [3, 2]
+    flip_byte(store_dir, 3, 1)
+    (step, skipped), _ = run_ranks(2, _restore_step, str(store_dir))
+    assert step == 2
+    assert any("step 3, rank 1, chunk 0" in s for s in skipped), skipped
+    # The corrupt step is gone, the restored one is kept.
+    assert [s.step for s in store.steps()] == [2]
+
+
+def test_flipped_byte_with_nothing_to_fall_back_to_fails_clearly(store_dir: Path) -> None:
+    run_ranks(2, _save_steps, str(store_dir), 2, 1)
+    flip_byte(store_dir, 2, 0)
+    errors = run_ranks(2, _restore_error, str(store_dir))
+    for e in errors:
+        assert e.startswith("CorruptShardError")
+        assert "step 2, rank 0, chunk 0" in e and "Nothing was loaded" in e
+
+
+def test_manifest_of_another_job_or_newer_format_is_rejected(store_dir: Path) -> None:
+    run_ranks(2, _save_steps, str(store_dir), 1, 1)
+    path = NodeStore(store_dir, JOB).manifest_path(1)
+    original = path.read_text()
+    doc = json.loads(original)
+    doc["job"] = "someone-else"
+    path.write_text(json.dumps(doc))
+    errors = run_ranks(2, _restore_error, str(store_dir))
+    assert all(e.startswith("ManifestError") and "belongs to job 'someone-else'" in e for e in errors), errors
+    doc = json.loads(original)
+    doc["format_version"] = 99
+    path.write_text(json.dumps(doc))
+    errors = run_ranks(2, _restore_error, str(store_dir))
+    assert all(e.startswith("ManifestError") and "newer aegis" in e for e in errors), errors
+
+
+def test_state_keys_that_do_not_match_are_named(store_dir: Path) -> None:
+    run_ranks(2, _save_extra, str(store_dir))
+    errors = run_ranks(2, _restore_error, str(store_dir), "other")
+    for e in errors:
+        assert e.startswith("StateMismatchError"), e
+        assert "missing from the snapshot: app.other.history, app.other.n" in e
+        assert "unexpected (in the snapshot, not in this state): app.extra.history, app.extra.n" in e
+
+
+def _save_extra(rank: int, world: int, store: str) -> None:
+    model, opt, sched = build(world, seed=0)
+    extra = Counter()
+    mgr = Manager(JOB, {"model": ModelOptimizerState(model, opt), "extra": extra},
+                  store_dir=store, verbose=False)
+    train_step(model, opt, sched, 1, rank)
+    mgr.save(1)
+    mgr.close()
+
+
+# -- eviction and slot reuse -------------------------------------------------------------------
+
+
+def test_keep_evicts_old_snapshots_and_reuses_slots(store_dir: Path) -> None:
+    run_ranks(2, _save_steps, str(store_dir), 6, 2)
+    store = NodeStore(store_dir, JOB)
+    infos = store.steps()
+    assert [(s.step, s.committed, s.shard_ranks) for s in infos] == [(6, True, (0, 1)), (5, True, (0, 1))]
+    m = store.read_manifest(6)
+    assert m.world_size == 2 and m.step == 6
+    for rec in m.shards:
+        store.verify_shard(6, rec)
+    # close() deletes the free slots; only the kept snapshots remain in memory.
+    assert list(store.slots_dir.iterdir()) == []
+
+
+# -- tmpfs too small ---------------------------------------------------------------------------
+
+
+def _save_one(rank: int, world: int, store: str) -> str:
+    model, opt, sched = build(world, seed=0)
+    mgr = _manager(store, model, opt, sched)
+    try:
+        train_step(model, opt, sched, 1, rank)
+        mgr.save(1)
+        mgr.wait()
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    finally:
+        mgr.close()
+    return "no error"
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path: Path) -> Path:
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], check=True)
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_tmpfs_too_small_fails_before_the_first_save_with_the_numbers(tiny_tmpfs: Path) -> None:
+    errors = run_ranks(2, _save_one, str(tiny_tmpfs))
+    for e in errors:
+        assert e.startswith("StoreFullError"), e
+        assert "needs" in e and "free" in e and "lower keep" in e and "AEGIS_STORE_DIR" in e
+    # Nothing was written but the (empty) store directories.
+    assert not list((tiny_tmpfs / JOB).glob("step-*"))
+
+
+# -- configuration is checked up front (single process, no torch.distributed) -----------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"job": "../escape"}, "not a valid job name"),
+        ({"every": 0}, "every=0"),
+        ({"keep": 0}, "keep=0"),
+        ({"chunk_bytes": 1000}, "chunk_bytes=1000"),
+    ],
+)
+def test_bad_config_is_rejected_with_the_field(store_dir: Path, kwargs: dict[str, Any], message: str) -> None:
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    job = kwargs.pop("job", "ok")
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+        Manager(job, {"m": ModelOptimizerState(model, opt)}, store_dir=str(store_dir), **kwargs)
+
+
+def test_bad_state_is_rejected(store_dir: Path) -> None:
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError, match="bare nn.Module"):
+        Manager("ok", {"m": model}, store_dir=str(store_dir))
+    with pytest.raises(ConfigError, match="has no state_dict"):
+        Manager("ok", {"x": object()}, store_dir=str(store_dir))
+
+
+def test_single_process_without_distributed(store_dir: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    mgr = Manager("solo", {"m": ModelOptimizerState(model, opt)}, store_dir=str(store_dir), verbose=False)
+    assert mgr.restore() == 0
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    mgr.save(1)
+    want = model.weight.detach().clone()
+    mgr.close()
+    model2 = torch.nn.Linear(4, 4)
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=0.1)
+    mgr2 = Manager("solo", {"m": ModelOptimizerState(model2, opt2)}, store_dir=str(store_dir), verbose=False)
+    assert mgr2.restore() == 1
+    assert torch.equal(model2.weight, want)
+    m = Manifest.from_json(NodeStore(store_dir, "solo").manifest_path(1).read_bytes())
+    assert m.world_size == 1
+    mgr2.close()

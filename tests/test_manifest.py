@@ -1,0 +1,96 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from aegis.errors import ManifestError
+from aegis.snapshot.manifest import (
+    FORMAT_VERSION,
+    BytesEntry,
+    ChunkRecord,
+    ItemRecord,
+    Manifest,
+    ShardRecord,
+    TensorEntry,
+)
+
+
+def sample() -> Manifest:
+    shards = tuple(
+        ShardRecord(
+            rank=r,
+            node="n0",
+            size=256 + 24 + 100,
+            index_crc32c=7,
+            chunks=(ChunkRecord(0, 128, 11, "float32"), ChunkRecord(128, 128, 12, "bytes")),
+            items=(
+                ItemRecord("w", (r * 4, 0), 0, 64, "float32", (4, 4)),
+                ItemRecord("lr", None, 128, 10),
+            ),
+        )
+        for r in range(2)
+    )
+    return Manifest(
+        job="j",
+        step=5,
+        world_size=2,
+        shards=shards,
+        entries={
+            "w": TensorEntry("float32", (8, 4), (((0, 0), (4, 4)), ((4, 0), (4, 4)))),
+            "lr": BytesEntry(),
+        },
+        planner_data={"w": ("w",), "lr": ("opt", "lr")},
+        timings={"blocking_s_max": 0.01},
+        created=123.0,
+    )
+
+
+def test_round_trip_and_dcp_metadata() -> None:
+    m = sample()
+    back = Manifest.from_json(m.to_json())
+    assert back == m
+    md = back.to_dcp_metadata()
+    assert md.state_dict_metadata["w"].size == torch.Size([8, 4])
+    assert md.state_dict_metadata["w"].properties.dtype == torch.float32
+    assert len(md.storage_data) == 3  # two tensor chunks + one byte item (same key on both ranks)
+    assert back.entries_from_dcp(md) == dict(m.entries)
+
+
+def doc() -> dict:
+    return json.loads(sample().to_json())
+
+
+def test_newer_format_version_is_rejected() -> None:
+    d = doc()
+    d["format_version"] = FORMAT_VERSION + 1
+    with pytest.raises(ManifestError, match="newer aegis"):
+        Manifest.from_doc(d)
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda d: d.update(extra=1), "unknown field"),
+        (lambda d: d.pop("step"), "missing field"),
+        (lambda d: d["shards"][0]["items"][0].update(file_offset=-8), "out of range"),
+        (lambda d: d["shards"][0].update(size=1 << 60), "out of range"),
+        (lambda d: d["shards"][0]["chunks"][1].__setitem__(0, 100), "gap or overlap"),
+        (lambda d: d["shards"][0]["items"][1].update(length=10_000), "past the shard"),
+        (lambda d: d["shards"][0]["items"].append(dict(d["shards"][0]["items"][0])), "twice"),
+        (lambda d: d["shards"].pop(), "expected exactly"),
+        (lambda d: d["entries"]["w"].update(dtype="__import__"), "unknown dtype"),
+        (lambda d: d["shards"][0]["items"][0].update(fqn="ghost"), "no entry declares"),
+    ],
+)
+def test_hostile_manifests_are_rejected(mutate, message) -> None:  # type: ignore[no-untyped-def]
+    d = doc()
+    mutate(d)
+    with pytest.raises(ManifestError, match=message):
+        Manifest.from_doc(d)
+
+
+def test_not_json() -> None:
+    with pytest.raises(ManifestError, match="not valid JSON"):
+        Manifest.from_json(b"{oops", where="x/manifest.json")
