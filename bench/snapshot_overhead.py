@@ -127,6 +127,12 @@ def _local_tensors(sd: dict[str, Any]) -> list[torch.Tensor]:
     return out
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def _views(buf: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     views, off = [], 0
     for t in tensors:
@@ -279,12 +285,12 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, root: str, dcp_r
         # Sanity: the last snapshot restores into a fresh Manager, bit for bit.
         last = step
         p = next(model.parameters())
-        ref_param = p.to_local().clone()
-        ref_avg = opt.state[p]["exp_avg"].to_local().clone()
+        ref_param = _local(p).clone()
+        ref_avg = _local(opt.state[p]["exp_avg"]).clone()
         mgr.close()
         train_step()  # move the live state away from the snapshot
         step += 1
-        diverged = not torch.equal(p.to_local(), ref_param)
+        diverged = not torch.equal(_local(p), ref_param)
         manifest = Path(store_dir) / job / f"step-{last:08d}" / "manifest.json"
         mgr2 = aegis.Manager(job, {"model": aegis.ModelOptimizerState(model, opt)}, every=1,
                              keep=1, store_dir=store_dir, verbose=False)
@@ -295,8 +301,8 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, root: str, dcp_r
             "step_restored": restored,
             "manifest_exists": manifest.is_file(),
             "state_diverged_before_restore": diverged,
-            "param_equal": torch.equal(p.to_local(), ref_param),
-            "exp_avg_equal": torch.equal(opt.state[p]["exp_avg"].to_local(), ref_avg),
+            "param_equal": torch.equal(_local(p), ref_param),
+            "exp_avg_equal": torch.equal(_local(opt.state[p]["exp_avg"]), ref_avg),
         }
         mgr2.close()
         dist.barrier()
@@ -330,7 +336,7 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, root: str, dcp_r
                                  process_group=async_pg,
                                  async_checkpointer_type=AsyncCheckpointerType.THREAD)
             t1 = time.perf_counter()
-            upload = getattr(fut, "upload_completion", fut)  # AsyncSaveResponse or Future
+            upload: Any = getattr(fut, "upload_completion", fut)  # AsyncSaveResponse or Future
             upload.result()
             t2 = time.perf_counter()
             dist.barrier()
@@ -346,7 +352,7 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, root: str, dcp_r
         "state_bytes": state_bytes,
         "n_tensors": len(tensors),
         "n_layers": n_layers,
-        "params_local": sum(p.to_local().numel() for p in model.parameters()),
+        "params_local": sum(_local(p).numel() for p in model.parameters()),
         "raw_s": raw,
         **extra,
     }
@@ -498,6 +504,7 @@ def main(argv: list[str] | None = None) -> int:
     root = tempfile.mkdtemp(prefix=f"aegis-bench-{uuid.uuid4().hex[:6]}-", dir=args.work_dir)
     dcp_root = str(Path(root) / "dcp")
     os.makedirs(dcp_root, exist_ok=True)
+    load_before = os.getloadavg()
     t0 = time.time()
     try:
         ranks = _launch(args, root, dcp_root)
@@ -525,6 +532,11 @@ def main(argv: list[str] | None = None) -> int:
             ok = (rc["step_restored"] == rc["step_saved"] and rc["manifest_exists"]
                   and rc["param_equal"] and rc["exp_avg_equal"])
             print(f"restore check rank {r['rank']}: {'OK' if ok else 'FAILED'} {rc}")
+    first = [r["aegis_results"][0] for r in ranks if r.get("aegis_results")]
+    if first and args.warmup:
+        print("aegis first save (plans, pre-faults keep + 1 = 2 slots; warm-up, not in table): "
+              f"blocking {max(f['blocking_s'] for f in first) * 1e3:.0f} ms, of which plan "
+              f"{max(f['plan_s'] for f in first) * 1e3:.0f} ms (slowest rank)")
     print(f"total {elapsed:.0f} s")
     doc = {
         "bench": "snapshot_overhead",
@@ -534,6 +546,8 @@ def main(argv: list[str] | None = None) -> int:
         "work_dir": root,
         "work_dir_is_tmpfs": root.startswith("/dev/shm"),
         "machine": _machine(),
+        # Other work on the machine distorts these numbers: 1-minute load before and after.
+        "loadavg_1m": {"before": load_before[0], "after": os.getloadavg()[0]},
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "elapsed_s": elapsed,
         "summary": summary,

@@ -227,6 +227,15 @@ def test_flipped_byte_with_nothing_to_fall_back_to_fails_clearly(store_dir: Path
         assert "step 2, rank 0, chunk 0" in e and "Nothing was loaded" in e
 
 
+def test_committed_step_with_a_missing_shard_is_never_loaded(store_dir: Path) -> None:
+    run_ranks(2, _save_steps, str(store_dir), 1, 1)
+    NodeStore(store_dir, JOB).shard_path(1, 1).unlink()
+    errors = run_ranks(2, _restore_error, str(store_dir))
+    for e in errors:
+        assert e.startswith("CorruptShardError"), e
+        assert "step 1: shards of rank(s) [1] missing" in e and "Nothing was loaded" in e
+
+
 def test_manifest_of_another_job_or_newer_format_is_rejected(store_dir: Path) -> None:
     run_ranks(2, _save_steps, str(store_dir), 1, 1)
     path = NodeStore(store_dir, JOB).manifest_path(1)

@@ -356,6 +356,9 @@ class SnapshotEngine:
         if self.is_leader:
             _fault.hit("commit", result.step, self.rank)
             self.store.write_manifest(manifest)
+        # Evict nothing until every node holds the new manifest: a leader dying before its
+        # write must leave the previous snapshot complete everywhere.
+        self.group.barrier("commit acknowledge")
         result.committed = True
         result.snapshot_bytes = manifest.total_bytes
         with self._lock:

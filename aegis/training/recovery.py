@@ -91,7 +91,6 @@ def restore_newest(
     t0 = time.perf_counter()
     skipped: list[str] = []
     bad: set[int] = set()
-    corrupt: list[str] = []
     timings: dict[str, float] = {}
     while True:
         td = time.perf_counter()
@@ -110,11 +109,12 @@ def restore_newest(
         skipped.extend(n for n in notes if n not in skipped)
         timings["decide_s"] = timings.get("decide_s", 0.0) + time.perf_counter() - td
         if manifest is None:
-            if corrupt:
+            if skipped:
                 raise CorruptShardError(
-                    "no committed snapshot passed verification; tried: " + "; ".join(corrupt)
+                    "committed snapshots exist but none is complete and intact; tried: "
+                    + "; ".join(skipped)
                     + ". Nothing was loaded. Restore from the durable tier, or remove the store "
-                    "directory to start from scratch",
+                    f"directory {store.dir} to start from scratch",
                     step=-1, rank=-1,
                 )
             _cleanup(store, is_leader, keep_step=None)
@@ -131,7 +131,6 @@ def restore_newest(
         all_errors = [e for errs in group.all_gather(local_errors, "verify") for e in errs]
         timings["verify_s"] = timings.get("verify_s", 0.0) + time.perf_counter() - tv
         if all_errors:
-            corrupt.extend(all_errors)
             skipped.extend(all_errors)
             bad.add(manifest.step)
             continue
