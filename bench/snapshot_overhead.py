@@ -537,7 +537,8 @@ def main(argv: list[str] | None = None) -> int:
         print("aegis first save (plans, pre-faults keep + 1 = 2 slots; warm-up, not in table): "
               f"blocking {max(f['blocking_s'] for f in first) * 1e3:.0f} ms, of which plan "
               f"{max(f['plan_s'] for f in first) * 1e3:.0f} ms (slowest rank)")
-    print(f"total {elapsed:.0f} s")
+    print(f"total {elapsed:.0f} s; 1-minute load average {load_before[0]:.2f} before, "
+          f"{os.getloadavg()[0]:.2f} after (other work on the machine distorts timings)")
     doc = {
         "bench": "snapshot_overhead",
         "command": shlex.join([sys.executable, *sys.argv]),
