@@ -13,7 +13,7 @@ import signal
 
 __all__ = ["PHASES", "fail_at", "hit"]
 
-PHASES = ("stage", "complete", "commit")
+PHASES = ("stage", "complete", "replicate", "commit", "restore")
 
 
 def _parse(spec: str) -> set[tuple[int, int, str]]:

@@ -89,6 +89,7 @@ class StagedShard:
     slot: Slot
     payloads: list[bytes]
     copy_s: float
+    tail: bytes = b""  # after complete(): the bytes region, index and footer
 
 
 def stage(step: int, rank: int, layout: ShardLayout, slot: Slot, planner: SavePlanner) -> StagedShard:
@@ -139,6 +140,7 @@ def complete(staged: StagedShard, *, job: str, node: str) -> ShardRecord:
     tail, icrc = encode_tail(index)
     payload_writes = [(layout.tensor_end, bytes(region))] if region else []
     size = staged.slot.write_tail(payload_writes, tail, data_end)
+    staged.tail = bytes(region) + tail
     return ShardRecord(
         rank=staged.rank,
         node=node,

@@ -19,6 +19,7 @@ every rank plan again, decided by one small all-reduce per save.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import threading
 import time
@@ -33,11 +34,13 @@ from torch.distributed.tensor import DTensor
 
 from aegis import _fault
 from aegis._dist import Group
-from aegis.errors import AegisError, CollectiveError, StoreFullError
+from aegis.errors import AegisError, CollectiveError, CorruptShardError, StoreFullError
 from aegis.snapshot.dcp_io import DEFAULT_CHUNK_BYTES, StagedShard, complete, stage
 from aegis.snapshot.manifest import BytesEntry, Manifest, ShardRecord, TensorEntry
 from aegis.snapshot.node_store import NodeStore, Slot
-from aegis.snapshot.shard import ShardLayout, plan_layout
+from aegis.snapshot.placement import Placement
+from aegis.snapshot.shard import ShardLayout, check_blob, plan_layout
+from aegis.snapshot.transport import Recv, Send, Transport
 
 __all__ = ["SnapshotEngine", "SnapshotHandle", "SnapshotResult", "format_bytes"]
 
@@ -69,6 +72,8 @@ class SnapshotResult:
     background_s: float = 0.0
     commit_s: float = 0.0
     snapshot_bytes: int = 0  # all ranks together (known on every rank after commit)
+    replicate_s: float = 0.0
+    replica_bytes: int = 0  # replicas this rank received and holds
     error: str | None = None
 
     @property
@@ -126,6 +131,9 @@ class SnapshotEngine:
         keep: int = 1,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         node: str = "local",
+        domain: str | None = None,
+        replicas: int = 0,
+        transport: Transport | None = None,
         on_result: Callable[[SnapshotResult], None] | None = None,
         mesh: dict[str, Any] | None = None,
     ) -> None:
@@ -138,15 +146,26 @@ class SnapshotEngine:
         self.node = node
         self.on_result = on_result
         self.mesh = mesh or {}
-        self.nodes: list[str] = group.all_gather(node, "node discovery")
+        ids = group.all_gather((node, domain or node), "node discovery")
+        self.nodes: list[str] = [n for n, _ in ids]
+        self.placement = Placement.build(self.nodes, [d for _, d in ids], replicas)
+        if replicas and transport is None:
+            raise AegisError("replicas > 0 needs a transport")
+        self.transport = transport
+        self.targets = self.placement.targets(self.rank)
+        self.sources = self.placement.sources(self.rank)
         self.is_leader = self.nodes.index(node) == self.rank  # first rank of this node
         self.local_world = self.nodes.count(node)
         store.create()
         self._planner = DefaultSavePlanner()
         self._plan: _Plan | None = None
         self._pool: list[Slot] = [Slot(p) for p in store.free_slots(self.rank)]
-        self._next_slot = 1 + max((int(p.path.name.rsplit(".", 1)[1]) for p in self._pool), default=0)
-        self._committed: list[tuple[int, Slot | None]] = []  # oldest first
+        self._replica_pool: list[Slot] = [Slot(p) for p in store.free_slots(self.rank, "replica")]
+        self._next_slot = 1 + max(
+            (int(p.path.name.rsplit(".", 1)[1]) for p in [*self._pool, *self._replica_pool]), default=0
+        )
+        # (step, own slot or None for a step found on restore, replica slots), oldest first
+        self._committed: list[tuple[int, Slot | None, list[Slot]]] = []
         self._inflight: tuple[SnapshotHandle, Slot] | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"aegis-snap-r{self.rank}")
         self._lock = threading.Lock()
@@ -156,20 +175,26 @@ class SnapshotEngine:
 
     @property
     def committed_steps(self) -> list[int]:
-        return [s for s, _ in self._committed]
+        return [s for s, _, _ in self._committed]
 
     def adopt_committed(self, steps: list[int]) -> None:
         """Steps already committed in the store (found on restore); they count toward ``keep``
         and are evicted (leader removes the directory) like any other."""
-        self._committed = [(s, None) for s in sorted(steps)]
+        self._committed = [(s, None, []) for s in sorted(steps)]
 
-    def save(self, step: int, state_dict: dict[str, Any]) -> SnapshotHandle:
-        """Snapshot ``state_dict`` as ``step``. Collective; blocks only for the copy."""
+    def save(self, step: int, state_dict: dict[str, Any] | Callable[[], dict[str, Any]]) -> SnapshotHandle:
+        """Snapshot ``state_dict`` as ``step``. Collective; blocks only for the copy.
+
+        ``state_dict`` may be a callable, called after the previous snapshot is finished, so that
+        taking the state dict counts in the blocking time this reports.
+        """
         if self._closed:
             raise AegisError("save() after close(): create a new Manager")
         t0 = time.perf_counter()
         self.wait()  # double buffer: at most one snapshot in flight; raises its error
         wait_s = time.perf_counter() - t0
+        if callable(state_dict):
+            state_dict = state_dict()
         planner = self._planner
         planner.set_up_planner(state_dict, storage_meta=None, is_coordinator=self.rank == 0)
         fingerprint = _fingerprint(planner.state_dict)
@@ -221,14 +246,16 @@ class SnapshotEngine:
         finally:
             self._closed = True
             self._executor.shutdown(wait=True)
-            for slot in self._pool:
+            for slot in [*self._pool, *self._replica_pool]:
                 slot.close()
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(slot.path)
             self._pool.clear()
-            for _, slot in self._committed:
-                if slot is not None:
-                    slot.close()
+            self._replica_pool.clear()
+            for _, slot, replica_slots in self._committed:
+                for s in [slot, *replica_slots]:
+                    if s is not None:
+                        s.close()
 
     # -- planning ------------------------------------------------------------------------------
 
@@ -256,7 +283,7 @@ class SnapshotEngine:
         self._check_capacity(layout)
         plan = _Plan(fingerprint, layout, entries, planner_data)
         # Pre-fault keep + 1 slots now, so no save pays for first-touch page faults.
-        in_use = sum(1 for _, s in self._committed if s is not None)
+        in_use = sum(1 for _, s, _ in self._committed if s is not None)
         while len(self._pool) + in_use < self.keep + 1:
             self._pool.append(self._new_slot())
         for slot in self._pool:
@@ -266,7 +293,8 @@ class SnapshotEngine:
     def _check_capacity(self, layout: ShardLayout) -> None:
         """Fail before the first save if this node's store cannot hold keep + 1 snapshots."""
         per_shard = layout.tensor_end + _TAIL_ALLOWANCE
-        need = (self.keep + 1) * per_shard
+        # own shard + the replicas this rank receives, for keep + 1 snapshots
+        need = (self.keep + 1) * per_shard * (1 + len(self.sources))
         reusable = sum(os.path.getsize(s.path) for s in self._pool if s.path.exists())
         reports = self.group.all_gather(
             (self.node, need, reusable, self.store.free_bytes()), "capacity check"
@@ -279,7 +307,8 @@ class SnapshotEngine:
             if node_need > node_have:
                 short.append(
                     f"the node store on node {node!r} needs {format_bytes(node_need)} ({self.keep} "
-                    f"kept + 1 in flight, {len(mine)} local rank(s), about "
+                    f"kept + 1 in flight, {len(mine)} local rank(s), "
+                    f"{self.placement.effective_replicas} replica(s), about "
                     f"{format_bytes(per_shard)} per shard here) but has {format_bytes(node_have)} free"
                 )
         if short:
@@ -302,16 +331,26 @@ class SnapshotEngine:
         slot.move(self.store.shard_path(step, self.rank))
         return slot
 
-    def _release_slot(self, slot: Slot) -> None:
-        slot.move(self.store.slot_path(self.rank, self._next_slot))
+    def _release_slot(self, slot: Slot, kind: str = "rank") -> None:
+        slot.move(self.store.slot_path(self.rank, self._next_slot, kind))
         self._next_slot += 1
-        self._pool.append(slot)
+        (self._replica_pool if kind == "replica" else self._pool).append(slot)
+
+    def _replica_slot(self, step: int, src: int, size: int) -> Slot:
+        slot = self._replica_pool.pop() if self._replica_pool else Slot(
+            self.store.slot_path(self.rank, self._next_slot, "replica"))
+        self._next_slot += 1
+        slot.ensure(size)
+        slot.move(self.store.shard_path(step, src))
+        return slot
 
     # -- background ----------------------------------------------------------------------------
 
     def _finish(self, result: SnapshotResult, slot: Slot, staged: StagedShard | None,
                 error: BaseException | None) -> SnapshotResult:
-        """Background, every rank: checksum + index, then the commit protocol."""
+        """Background, every rank: checksum + index, replicate, then the commit protocol:
+        gather shard and replica reports on rank 0 -> broadcast the manifest (or an abort) ->
+        node leaders write it -> barrier -> evict."""
         t0 = time.perf_counter()
         record: ShardRecord | None = None
         err = f"{type(error).__name__}: {error}" if error is not None else None
@@ -321,33 +360,23 @@ class SnapshotEngine:
                 result.shard_bytes = record.size
             except Exception as e:  # noqa: BLE001 - reported to rank 0
                 err = f"{type(e).__name__}: {e}"
+        tr = time.perf_counter()
+        received, replica_slots = self._replicate(result.step, slot, staged if err is None else None)
+        result.replicate_s = time.perf_counter() - tr
+        result.replica_bytes = sum(s.capacity for s in replica_slots)
         tc = time.perf_counter()
-        reports = self.group.gather((record, err, result.blocking_s, result.copy_s), "commit gather")
+        reports = self.group.gather(
+            (record, err, received, result.blocking_s, result.copy_s), "commit gather"
+        )
         decision: tuple[str, Any] | None = None
         if self.rank == 0:
             assert reports is not None
-            failures = {r: e for r, (_, e, _, _) in enumerate(reports) if e is not None}
-            if failures:
-                decision = ("abort", failures)
-            else:
-                decision = ("commit", Manifest(
-                    job=self.store.job,
-                    step=result.step,
-                    world_size=self.world,
-                    shards=tuple(rec for rec, _, _, _ in reports),
-                    entries=self._plan.entries if self._plan else {},
-                    planner_data=self._plan.planner_data if self._plan else {},
-                    mesh=self.mesh,
-                    timings={
-                        "blocking_s_max": max(b for _, _, b, _ in reports),
-                        "copy_s_max": max(c for _, _, _, c in reports),
-                        "complete_s": tc - t0,
-                    },
-                    created=time.time(),
-                ))
+            decision = self._decide_commit(result.step, reports, tc - t0)
         kind, payload = self.group.broadcast(decision, "commit broadcast")
         if kind == "abort":
             self._release_slot(slot)
+            for rs in replica_slots:
+                self._release_slot(rs, "replica")
             result.error = str(CollectiveError(f"snapshot of step {result.step}", payload))
             if self.on_result:
                 self.on_result(result)
@@ -362,7 +391,7 @@ class SnapshotEngine:
         result.committed = True
         result.snapshot_bytes = manifest.total_bytes
         with self._lock:
-            self._committed.append((result.step, slot))
+            self._committed.append((result.step, slot, replica_slots))
             self._evict()
         result.commit_s = time.perf_counter() - tc
         result.background_s = time.perf_counter() - t0
@@ -370,14 +399,100 @@ class SnapshotEngine:
             self.on_result(result)
         return result
 
+    def _replicate(self, step: int, slot: Slot, staged: StagedShard | None
+                   ) -> tuple[list[tuple[int, int | None, str | None]], list[Slot]]:
+        """Push this rank's shard to its targets; receive and verify the shards of its sources.
+
+        Every rank takes part even if its own shard failed (it then sends an empty message), so
+        no peer waits for a transfer that never comes. Returns, per source, (source rank, index
+        crc32c of the verified replica or None, error) and the replica slots filled.
+        """
+        if not self.targets and not self.sources:
+            return [], []
+        assert self.transport is not None
+        parts: list[torch.Tensor] = []
+        if staged is not None:
+            parts = [slot.view[: staged.layout.tensor_end],
+                     torch.frombuffer(bytearray(staged.tail), dtype=torch.uint8)]
+        slots: dict[int, Slot] = {}
+
+        def alloc(src: int) -> Callable[[list[int]], list[torch.Tensor]]:
+            def fn(sizes: list[int]) -> list[torch.Tensor]:
+                rs = self._replica_slot(step, src, max(sum(sizes), 1))
+                slots[src] = rs
+                out, pos = [], 0
+                for n in sizes:
+                    out.append(rs.view[pos:pos + n])
+                    pos += n
+                return out
+            return fn
+
+        sends = [Send(t, parts) for t in self.targets]
+        recvs = [Recv(s, alloc(s)) for s in self.sources]
+        _fault.hit("replicate", step, self.rank)
+        self.transport.exchange(sends, recvs)
+        received: list[tuple[int, int | None, str | None]] = []
+        for src in self.sources:
+            rs = slots.get(src)
+            if rs is None or rs.capacity <= 1:
+                received.append((src, None, "no shard received (the owner failed)"))
+                continue
+            try:
+                with rs.memory as mem:
+                    _, icrc = check_blob(mem, step=step, rank=src,
+                                         where=f"replica on node {self.node!r}")
+                received.append((src, icrc, None))
+            except CorruptShardError as e:
+                received.append((src, None, str(e)))
+        return received, list(slots.values())
+
+    def _decide_commit(self, step: int, reports: list[Any], complete_s: float) -> tuple[str, Any]:
+        """Rank 0: commit only if every shard is stored and every replica verified against the
+        owner's index crc32c."""
+        failures: dict[int, str] = {}
+        records = {r: rec for r, (rec, _, _, _, _) in enumerate(reports)}
+        for r, (_, err, _, _, _) in enumerate(reports):
+            if err is not None:
+                failures[r] = err
+        held: dict[int, list[str]] = {r: [] for r in range(self.world)}
+        for holder, (_, _, received, _, _) in enumerate(reports):
+            for src, icrc, rerr in received:
+                rec = records.get(src)
+                if rerr is not None:
+                    failures.setdefault(holder, f"replica of rank {src}: {rerr}")
+                elif rec is not None and icrc != rec.index_crc32c:
+                    failures.setdefault(holder, f"replica of rank {src} does not match its owner's crc32c")
+                else:
+                    held[src].append(self.nodes[holder])
+        if failures:
+            return ("abort", failures)
+        return ("commit", Manifest(
+            job=self.store.job,
+            step=step,
+            world_size=self.world,
+            shards=tuple(dataclasses.replace(records[r], replicas=tuple(held[r]))
+                         for r in range(self.world)),
+            entries=self._plan.entries if self._plan else {},
+            planner_data=self._plan.planner_data if self._plan else {},
+            mesh=self.mesh,
+            timings={
+                "blocking_s_max": max(rep[3] for rep in reports),
+                "copy_s_max": max(rep[4] for rep in reports),
+                "complete_replicate_s_rank0": complete_s,
+            },
+            created=time.time(),
+        ))
+
     def _evict(self) -> None:
         """Keep the newest ``keep`` committed snapshots; the newest one is never evicted."""
         while len(self._committed) > max(self.keep, 1):
-            step, slot = self._committed.pop(0)
+            step, slot, replica_slots = self._committed.pop(0)
             if self.is_leader:
                 self.store.uncommit(step)  # manifest first: a half-evicted step is never chosen
             if slot is not None:
                 self._release_slot(slot)
+                for rs in replica_slots:
+                    self._release_slot(rs, "replica")
                 self.store._rmdir_if_empty(step)
             elif self.is_leader:
                 self.store.remove_step(step)  # from an earlier run: nobody maps its files

@@ -215,12 +215,14 @@ class NodeStore:
 
     # -- slots ---------------------------------------------------------------------------------
 
-    def slot_path(self, rank: int, k: int) -> Path:
-        return self.slots_dir / f"rank-{rank:05d}.{k}"
+    def slot_path(self, rank: int, k: int, kind: str = "rank") -> Path:
+        """A free slot of ``rank``: kind "rank" for its own shards, "replica" for replicas it
+        receives (their sizes differ, so they are pooled apart)."""
+        return self.slots_dir / f"{kind}-{rank:05d}.{k}"
 
-    def free_slots(self, rank: int) -> Iterator[Path]:
+    def free_slots(self, rank: int, kind: str = "rank") -> Iterator[Path]:
         if self.slots_dir.is_dir():
-            prefix = f"rank-{rank:05d}."
+            prefix = f"{kind}-{rank:05d}."
             for f in sorted(os.listdir(self.slots_dir)):
                 if f.startswith(prefix):
                     yield self.slots_dir / f

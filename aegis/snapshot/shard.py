@@ -53,6 +53,7 @@ __all__ = [
     "decode_index",
     "crc32c",
     "verify_chunks",
+    "check_blob",
 ]
 
 ALIGN = 64
@@ -264,3 +265,25 @@ def verify_chunks(
         f"of {where}: expected {c.crc32c:#010x}, got {got:#010x}",
         step=step, rank=rank, chunk=i, where=where,
     )
+
+
+def check_blob(data: memoryview | bytes, *, step: int, rank: int, where: str) -> tuple[ShardIndex, int]:
+    """Verify a whole shard held in memory (a received replica): footer, index, every chunk.
+
+    Returns the index and its crc32c (to compare with the owner's record).
+    """
+    size = len(data)
+    try:
+        if size < FOOTER_SIZE:
+            raise ManifestError(f"{where}: shard is truncated ({size} bytes)")
+        start, icrc = decode_footer(bytes(data[size - FOOTER_SIZE:]), size=size, where=where)
+        index = decode_index(bytes(data[start:size - FOOTER_SIZE]), crc=icrc, size=size, where=where)
+    except ManifestError as e:
+        raise CorruptShardError(f"shard of rank {rank} at step {step}: {e}", step=step, rank=rank,
+                                where=where) from e
+    if index.step != step or index.rank != rank:
+        raise CorruptShardError(
+            f"{where}: expected the shard of rank {rank} at step {step}, got rank {index.rank} at "
+            f"step {index.step}", step=step, rank=rank, where=where)
+    verify_chunks(data, index.chunks, step=step, rank=rank, where=where)
+    return index, icrc

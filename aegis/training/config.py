@@ -21,6 +21,8 @@ class ManagerConfig:
     job: names the run; snapshots live under ``<store_dir>/<job>/``.
     every: snapshot every ``every`` steps (``save(step)`` is a no-op otherwise).
     keep: committed snapshots kept in memory per node (plus one in flight).
+    replicas: copies of each shard pushed to other nodes (ring placement, other failure domains
+        first); 1 survives any single node loss. Capped at (nodes - 1).
     store_dir: node store root (a tmpfs); default ``$AEGIS_STORE_DIR`` or ``/dev/shm/aegis``.
     timeout: bound on every snapshot collective; a peer silent for longer is declared gone.
     chunk_bytes: checksum/compression unit of a shard.
@@ -33,6 +35,7 @@ class ManagerConfig:
     job: str
     every: int = 1
     keep: int = 1
+    replicas: int = 1
     store_dir: str | os.PathLike[str] | None = None
     timeout: timedelta = timedelta(minutes=5)
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
@@ -48,6 +51,10 @@ class ManagerConfig:
             raise ConfigError(
                 f"keep={self.keep!r}: must be an integer >= 1 (the newest committed snapshot is "
                 "always kept)"
+            )
+        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 0:
+            raise ConfigError(
+                f"replicas={self.replicas!r}: must be an integer >= 0 (copies on other nodes)"
             )
         if not isinstance(self.timeout, timedelta) or self.timeout.total_seconds() <= 0:
             raise ConfigError(f"timeout={self.timeout!r}: must be a positive datetime.timedelta")

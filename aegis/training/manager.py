@@ -15,6 +15,7 @@ Every method is collective: all ranks call it, in the same order, with the same 
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Mapping
 from datetime import timedelta
@@ -27,6 +28,7 @@ from aegis.errors import AegisError
 from aegis.snapshot.engine import SnapshotEngine, SnapshotHandle, SnapshotResult, format_bytes
 from aegis.snapshot.manifest import Manifest
 from aegis.snapshot.node_store import NodeStore
+from aegis.snapshot.transport import GlooTransport
 from aegis.training.config import ManagerConfig
 from aegis.training.events import EventLog
 from aegis.training.recovery import RestoreResult, restore_newest
@@ -54,6 +56,7 @@ class Manager:
         *,
         every: int = 1,
         keep: int = 1,
+        replicas: int = 1,
         store_dir: str | None = None,
         timeout: timedelta = timedelta(minutes=5),
         chunk_bytes: int | None = None,
@@ -63,13 +66,16 @@ class Manager:
     ) -> None:
         extra = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
         self.config = ManagerConfig(
-            job=job, every=every, keep=keep, store_dir=store_dir, timeout=timeout,
+            job=job, every=every, keep=keep, replicas=replicas, store_dir=store_dir, timeout=timeout,
             events_dir=events_dir, rng=rng, verbose=verbose, **extra,
         )
         check_state(state)
         self.state = dict(state)
         self.node = node_id()
         self.group = Group(new_snapshot_group(self.config.timeout))
+        # Shard transfers get a group of their own, so a long transfer never sits between the
+        # small commit collectives.
+        self.transport = GlooTransport(new_snapshot_group(self.config.timeout), self.config.timeout)
         self.rank = self.group.rank
         self.world = self.group.world
         self.store = NodeStore(self.config.store_root, self.config.job)
@@ -81,6 +87,9 @@ class Manager:
             keep=self.config.keep,
             chunk_bytes=self.config.chunk_bytes,
             node=self.node,
+            domain=os.environ.get("AEGIS_FAILURE_DOMAIN") or None,
+            replicas=self.config.replicas,
+            transport=self.transport,
             on_result=self._on_snapshot,
             mesh={"world_size": self.world},
         )
@@ -170,7 +179,7 @@ class Manager:
             raise AegisError(f"save(step={step!r}): step must be a non-negative integer")
         if step % self.config.every:
             return None
-        return self.engine.save(step, self._state_dict())
+        return self.engine.save(step, self._state_dict)
 
     def wait(self) -> SnapshotResult | None:
         """Wait until the in-flight snapshot is committed; re-raise its error. Collective."""
@@ -185,8 +194,10 @@ class Manager:
         try:
             self.engine.close()
         finally:
-            if self.group.pg is not None and dist.is_initialized():
-                dist.destroy_process_group(self.group.pg)
+            if dist.is_initialized():
+                for pg in (self.group.pg, self.transport.pg):
+                    if pg is not None:
+                        dist.destroy_process_group(pg)
 
     def __enter__(self) -> Manager:
         return self
@@ -215,6 +226,8 @@ class Manager:
             staging_gbps=r.staging_gbps,
             background_ms=r.background_s * 1e3,
             commit_ms=r.commit_s * 1e3,
+            replicate_ms=r.replicate_s * 1e3,
+            replica_bytes=r.replica_bytes,
             error=r.error,
         )
         if r.committed:

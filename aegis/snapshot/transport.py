@@ -1,0 +1,118 @@
+"""Transports move shard bytes between ranks, for replication and peer restore.
+
+A transport is a small interface so a faster one (RDMA, NCCL on GPU) can replace the gloo one.
+Every implementation passes the same contract tests (``tests/test_transport.py``).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from aegis.errors import AegisError, SnapshotTimeoutError
+
+__all__ = ["Send", "Recv", "Transport", "GlooTransport"]
+
+_MAX_PARTS = 4
+
+
+@dataclass
+class Send:
+    """Send ``parts`` (contiguous uint8 tensors, sent back to back) to rank ``dst``."""
+
+    dst: int
+    parts: Sequence[torch.Tensor]
+
+
+@dataclass
+class Recv:
+    """Receive from ``src``; ``alloc(part_sizes)`` returns one uint8 tensor per part to fill."""
+
+    src: int
+    alloc: Callable[[list[int]], Sequence[torch.Tensor]]
+
+
+class Transport(abc.ABC):
+    """Collective: every rank calls :meth:`exchange` in the same order. Between any two ranks,
+    sends and receives are matched in list order."""
+
+    @abc.abstractmethod
+    def exchange(self, sends: Sequence[Send], recvs: Sequence[Recv]) -> int:
+        """Run all transfers; return the bytes this rank received. Raises SnapshotTimeoutError
+        when a peer does not answer within the transport's timeout."""
+
+    def close(self) -> None:  # noqa: B027 - optional
+        pass
+
+
+class GlooTransport(Transport):
+    """Point-to-point send/recv on a dedicated gloo group (never the training group)."""
+
+    def __init__(self, pg: dist.ProcessGroup | None, timeout: timedelta) -> None:
+        self.pg = pg
+        self.timeout = timeout
+
+    def _global(self, rank: int) -> int:
+        assert self.pg is not None
+        return dist.get_global_rank(self.pg, rank)
+
+    def _wait(self, works: list[dist.Work], what: str) -> None:
+        try:
+            for w in works:
+                if not w.wait(self.timeout):
+                    raise SnapshotTimeoutError(f"{what}: a peer did not answer within {self.timeout}")
+        except SnapshotTimeoutError:
+            raise
+        except Exception as e:  # gloo raises RuntimeError on timeouts and closed peers
+            text = str(e).lower()
+            if "timed out" in text or "timeout" in text:
+                raise SnapshotTimeoutError(
+                    f"{what}: a peer did not answer within {self.timeout} ({e}); it is frozen or dead"
+                ) from e
+            raise AegisError(f"{what}: transfer failed ({e}); a peer is likely gone") from e
+
+    def exchange(self, sends: Sequence[Send], recvs: Sequence[Recv]) -> int:
+        if not sends and not recvs:
+            return 0
+        if self.pg is None:
+            raise AegisError("GlooTransport needs torch.distributed to be initialized")
+        # 1. headers: the part sizes of every message
+        works = []
+        for s in sends:
+            if len(s.parts) > _MAX_PARTS:
+                raise ValueError(f"at most {_MAX_PARTS} parts per message")
+            header = torch.zeros(_MAX_PARTS + 1, dtype=torch.int64)
+            header[0] = len(s.parts)
+            for i, p in enumerate(s.parts):
+                header[i + 1] = p.numel()
+            works.append(dist.isend(header, self._global(s.dst), group=self.pg))
+        headers = []
+        for r in recvs:
+            h = torch.zeros(_MAX_PARTS + 1, dtype=torch.int64)
+            headers.append(h)
+            works.append(dist.irecv(h, self._global(r.src), group=self.pg))
+        self._wait(works, "transfer header")
+        # 2. payloads, in the same order on both sides
+        works = []
+        for s in sends:
+            for p in s.parts:
+                if p.numel():
+                    works.append(dist.isend(p, self._global(s.dst), group=self.pg))
+        received = 0
+        for r, h in zip(recvs, headers, strict=True):
+            n = int(h[0])
+            sizes = [int(x) for x in h[1:1 + n]]
+            bufs = r.alloc(sizes)
+            for buf, size in zip(bufs, sizes, strict=True):
+                if buf.numel() != size or buf.dtype != torch.uint8:
+                    raise ValueError("alloc() must return uint8 tensors of the announced sizes")
+                if size:
+                    works.append(dist.irecv(buf, self._global(r.src), group=self.pg))
+                received += size
+        self._wait(works, "transfer")
+        return received
