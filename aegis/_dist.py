@@ -94,12 +94,13 @@ class Group:
         self._guard(what, lambda: dist.gather_object(obj, out, dst=dst, group=self.pg))
         return out
 
-    def broadcast(self, obj: T | None, what: str = "broadcast") -> T:
+    def broadcast(self, obj: T | None, what: str = "broadcast", src: int = 0) -> T:
+        """``obj`` from group rank ``src`` to every rank."""
         if self.pg is None:
             assert obj is not None
             return obj
         box = [obj]
-        src = dist.get_global_rank(self.pg, 0)
+        src = dist.get_global_rank(self.pg, src)
         self._guard(what, lambda: dist.broadcast_object_list(box, src=src, group=self.pg))
         return box[0]  # type: ignore[return-value]
 

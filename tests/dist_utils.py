@@ -31,9 +31,13 @@ def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tupl
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1",
     )
+    import faulthandler
+
     import torch
     import torch.distributed as dist
 
+    # A hung rank prints every thread's stack before the test gives up on it.
+    faulthandler.dump_traceback_later(float(env.get("AEGIS_TEST_DUMP_AFTER", "100")), exit=False)
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)

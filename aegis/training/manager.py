@@ -132,6 +132,9 @@ class Manager:
         result = restore_newest(
             self.store,
             self.group,
+            self.transport,
+            node=self.node,
+            nodes=self.engine.nodes,
             make_state=self._state_dict,
             apply_state=self._apply,
             is_leader=self.engine.is_leader,
@@ -155,15 +158,19 @@ class Manager:
             world_size=self.world,
             snapshot_world_size=result.manifest.world_size,
             bytes=nbytes,
+            bytes_fetched=result.bytes_fetched,
             seconds=total,
             gbps=nbytes / total / 1e9 if total else 0.0,
             timings=result.timings,
             sources=result.sources,
             skipped=result.skipped,
         )
+        tiers = sorted({s["tier"] for s in result.sources})
         self.events.say(
             f"restored step {result.step} ({format_bytes(result.manifest.total_bytes)} from "
-            f"{result.manifest.world_size} rank(s) -> {self.world}) in {total * 1e3:.0f} ms from local memory"
+            f"{result.manifest.world_size} rank(s) -> {self.world}) in {total * 1e3:.0f} ms; rank 0 "
+            f"read {format_bytes(nbytes)} from {'+'.join(tiers) or 'nothing'}"
+            + (f", fetched {format_bytes(result.bytes_fetched)} from peers" if result.bytes_fetched else "")
             + (f"; skipped: {'; '.join(result.skipped)}" if result.skipped else "")
         )
         return result.step

@@ -1,29 +1,44 @@
-"""Recovery: inventory -> choose one step -> verify -> DCP load.
+"""Recovery: inventory -> choose one step -> fetch what is missing -> verify -> DCP load.
 
-Collective: every rank calls :func:`restore_newest` once, before the training loop. The step is
-chosen once, on rank 0, and broadcast, so every rank loads the same step. A step is chosen only
-if it is committed (its manifest exists) and every shard is present; every shard is verified
-(crc32c of every chunk) before any byte is loaded; a step that fails verification is skipped for
-the next older committed one, and the error names what was tried.
+Collective: every rank calls :func:`restore_newest` once, before the training loop.
+
+1. The first rank of every node lists its node store (steps, manifests, shard files); all ranks
+   all-gather the inventories, so every rank computes the same decision without a broadcast.
+2. The newest step that is committed on some node and whose every shard is held by some node is
+   chosen; its manifest is broadcast from a node that has it.
+3. Each rank plans its DCP load locally to learn which shards it reads; each node needs the union
+   of its ranks' shards. Local copies are verified (crc32c of every chunk); missing or corrupt
+   ones are fetched from a peer node holding a replica, verified on arrival, and on a mismatch
+   fetched from the next holder.
+4. If a shard has no intact source left, the step is abandoned for the next older committed one;
+   if none is left the error names every step, shard and source tried. Nothing is loaded until
+   every needed shard is verified.
+5. DCP loads through :class:`ShardReader` (resharding when the world size changed).
 """
 
 from __future__ import annotations
 
+import contextlib
+import mmap
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 
-from aegis import errors
+from aegis import _fault, errors
 from aegis._dist import Group
 from aegis.errors import AegisError, CorruptShardError, StateMismatchError
 from aegis.snapshot.dcp_io import SafeLoadPlanner, ShardReader
 from aegis.snapshot.manifest import Manifest
-from aegis.snapshot.node_store import NodeStore
+from aegis.snapshot.node_store import NodeStore, Slot
+from aegis.snapshot.shard import check_blob
+from aegis.snapshot.transport import Recv, Send, Transport
 
 __all__ = ["RestoreResult", "restore_newest", "check_keys"]
 
@@ -32,20 +47,20 @@ __all__ = ["RestoreResult", "restore_newest", "check_keys"]
 class RestoreResult:
     step: int
     manifest: Manifest
-    sources: list[dict[str, Any]] = field(default_factory=list)
+    sources: list[dict[str, Any]] = field(default_factory=list)  # one per shard this rank read
     timings: dict[str, float] = field(default_factory=dict)
     bytes_read: int = 0
+    bytes_fetched: int = 0  # received from peers by this rank
     skipped: list[str] = field(default_factory=list)
 
 
 def check_keys(state_dict: dict[str, Any], manifest: Manifest, *, ignore_prefix: str) -> None:
     """Raise StateMismatchError naming missing and unexpected keys."""
     flat, _ = flatten_state_dict(state_dict)
-    mine = set(flat)
+    mine = {k for k in flat if not k.startswith(ignore_prefix)}
     theirs = {k for k in manifest.entries if not k.startswith(ignore_prefix)}
-    mine_cmp = {k for k in mine if not k.startswith(ignore_prefix)}
-    missing = sorted(mine_cmp - theirs)
-    unexpected = sorted(theirs - mine_cmp)
+    missing = sorted(mine - theirs)
+    unexpected = sorted(theirs - mine)
     if missing or unexpected:
 
         def show(keys: list[str]) -> str:
@@ -63,109 +78,321 @@ def check_keys(state_dict: dict[str, Any], manifest: Manifest, *, ignore_prefix:
         )
 
 
-def _decide(store: NodeStore, skip: set[int]) -> tuple[Manifest | None, list[str]]:
-    """Rank 0: the newest committed step of this store whose shards are all present."""
-    notes = []
+# -- inventory and decision (pure once gathered) ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _StepInv:
+    committed: bool
+    world_size: int | None
+    shards: tuple[int, ...]
+
+
+def _inventory(store: NodeStore) -> dict[int, _StepInv]:
+    out = {}
     for info in store.steps():
-        if not info.committed or info.step in skip:
+        world = store.read_manifest(info.step).world_size if info.committed else None
+        out[info.step] = _StepInv(info.committed, world, info.shard_ranks)
+    return out
+
+
+def _choose(invs: dict[str, dict[int, _StepInv]], bad: set[int]) -> tuple[int | None, list[str]]:
+    """The newest step committed on some node with every shard held by some node."""
+    notes = []
+    steps = sorted({s for inv in invs.values() for s, i in inv.items() if i.committed}, reverse=True)
+    for step in steps:
+        if step in bad:
             continue
-        manifest = store.read_manifest(info.step)  # ManifestError is fatal: never guess past it
-        missing = [r for r in range(manifest.world_size) if r not in info.shard_ranks]
+        world = next(inv[step].world_size for inv in invs.values() if step in inv and inv[step].committed)
+        assert world is not None
+        held = {s for inv in invs.values() if step in inv for s in inv[step].shards}
+        missing = [s for s in range(world) if s not in held]
         if missing:
-            notes.append(f"step {info.step}: shards of rank(s) {missing} missing")
+            notes.append(f"step {step}: shards of rank(s) {missing} missing on every node")
             continue
-        return manifest, notes
+        return step, notes
     return None, notes
+
+
+# -- the restore ---------------------------------------------------------------------------------
 
 
 def restore_newest(
     store: NodeStore,
     group: Group,
+    transport: Transport | None,
     *,
+    node: str,
+    nodes: list[str],
+    is_leader: bool,
     make_state: Callable[[Manifest], dict[str, Any]],
     apply_state: Callable[[dict[str, Any], Manifest], None],
-    is_leader: bool,
     rank_prefix: str,
 ) -> RestoreResult | None:
     """Restore the newest complete, verified committed step; None when there is none at all."""
     t0 = time.perf_counter()
-    skipped: list[str] = []
-    bad: set[int] = set()
     timings: dict[str, float] = {}
-    while True:
-        td = time.perf_counter()
-        decision: tuple[str, Any] | None = None
-        if group.rank == 0:
-            try:
-                manifest, notes = _decide(store, bad)
-                decision = ("ok", (manifest, notes))
-            except AegisError as e:
-                decision = ("error", (type(e).__name__, str(e)))
-        kind, payload = group.broadcast(decision, "restore decision")
+
+    def lap(name: str, since: float) -> float:
+        now = time.perf_counter()
+        timings[name] = timings.get(name, 0.0) + now - since
+        return now
+
+    # 1. inventory of every node
+    local: tuple[str, Any] = ("ok", None)
+    if is_leader:
+        try:
+            local = ("ok", _inventory(store))
+        except AegisError as e:  # a manifest of another job / newer format: fatal, never guessed past
+            local = ("error", (type(e).__name__, str(e)))
+    gathered = group.all_gather((node, local), "restore inventory")
+    invs: dict[str, dict[int, _StepInv]] = {}
+    for n, (kind, payload) in gathered:
         if kind == "error":
             cls = getattr(errors, payload[0], AegisError)
             raise cls(payload[1])
-        manifest, notes = payload
-        skipped.extend(n for n in notes if n not in skipped)
-        timings["decide_s"] = timings.get("decide_s", 0.0) + time.perf_counter() - td
-        if manifest is None:
+        if payload is not None:
+            invs[n] = payload
+    t = lap("inventory_s", t0)
+
+    skipped: list[str] = []
+    bad: set[int] = set()
+    ranks_of = {n: [r for r, x in enumerate(nodes) if x == n] for n in dict.fromkeys(nodes)}
+    while True:
+        step, notes = _choose(invs, bad)
+        skipped.extend(x for x in notes if x not in skipped)
+        if step is None:
             if skipped:
                 raise CorruptShardError(
                     "committed snapshots exist but none is complete and intact; tried: "
                     + "; ".join(skipped)
-                    + ". Nothing was loaded. Restore from the durable tier, or remove the store "
-                    f"directory {store.dir} to start from scratch",
+                    + f". Nothing was loaded. Restore from the durable tier, or remove the node "
+                    f"store directories ({store.dir} here) to start from scratch",
                     step=-1, rank=-1,
                 )
             _cleanup(store, is_leader, keep_step=None)
             return None
-        # Verify every shard before trusting a byte: shard s is checked by rank s % world.
-        tv = time.perf_counter()
-        local_errors = []
-        for rec in manifest.shards:
-            if rec.rank % group.world == group.rank:
-                try:
-                    store.verify_shard(manifest.step, rec)
-                except CorruptShardError as e:
-                    local_errors.append(str(e))
-        all_errors = [e for errs in group.all_gather(local_errors, "verify") for e in errs]
-        timings["verify_s"] = timings.get("verify_s", 0.0) + time.perf_counter() - tv
-        if all_errors:
-            skipped.extend(all_errors)
-            bad.add(manifest.step)
+        # 2. the manifest, from the first node leader that has it
+        src = min(ranks_of[n][0] for n, inv in invs.items() if step in inv and inv[step].committed)
+        manifest: Manifest = group.broadcast(
+            store.read_manifest(step) if group.rank == src else None, "restore manifest", src=src
+        )
+        _fault.hit("restore", step, group.rank)
+        t = lap("decide_s", t)
+        # 3. what every node needs, from each rank's local DCP load plan
+        state_dict = make_state(manifest)
+        group.run_all("restore key check", lambda sd=state_dict, m=manifest: check_keys(
+            sd, m, ignore_prefix=rank_prefix))
+        needed = _needed_shards(state_dict, manifest, group.rank == 0)
+        need_by_node: dict[str, set[int]] = {n: set() for n in ranks_of}
+        for n, shards in group.all_gather((node, needed), "restore needs"):
+            need_by_node[n] |= shards
+        t = lap("plan_s", t)
+        outcome = _gather_shards(store, group, transport, manifest, node, invs, need_by_node, ranks_of)
+        t = lap("fetch_verify_s", t)
+        skipped.extend(outcome.rejected)
+        if outcome.failures:
+            skipped.extend(outcome.failures)
+            bad.add(step)
             continue
         break
 
-    tl = time.perf_counter()
-    state_dict = make_state(manifest)
-    group.run_all("restore key check", lambda: check_keys(state_dict, manifest, ignore_prefix=rank_prefix))
-    paths = {r.rank: store.shard_path(manifest.step, r.rank) for r in manifest.shards}
+    # 5. load
+    mine = need_by_node[node]
+    paths = {s: store.shard_path(step, s) for s in mine}
     reader = ShardReader(manifest, paths)
     try:
         dcp.load(state_dict, storage_reader=reader, planner=SafeLoadPlanner(), process_group=group.pg)
     except CheckpointException as e:  # a BaseException: turn it into an ordinary error
-        raise AegisError(f"loading step {manifest.step} failed: {e}") from None
-    timings["load_s"] = time.perf_counter() - tl
-    ta = time.perf_counter()
+        raise AegisError(f"loading step {step} failed: {e}") from None
+    t = lap("load_s", t)
     apply_state(state_dict, manifest)
-    timings["apply_s"] = time.perf_counter() - ta
+    t = lap("apply_s", t)
     group.barrier("restore done")
-    _cleanup(store, is_leader, keep_step=manifest.step, bad=bad)
+    if is_leader:
+        with contextlib.suppress(FileNotFoundError):
+            if not store.manifest_path(step).exists():
+                store.write_manifest(manifest)  # a replacement node now holds the step too
+    _cleanup(store, is_leader, keep_step=step, bad=bad)
     timings["total_s"] = time.perf_counter() - t0
-    sources = [
-        {"shard": r, "tier": "local", "node": manifest.shard(r).node, "bytes_read": n,
-         "seconds": round(reader.seconds_by_rank.get(r, 0.0), 6)}
-        for r, n in sorted(reader.bytes_by_rank.items())
-    ]
-    return RestoreResult(manifest.step, manifest, sources, timings, reader.bytes_read, skipped)
+    sources = []
+    for s, n in sorted(reader.bytes_by_rank.items()):
+        origin = outcome.origin.get(s)
+        sources.append({
+            "shard": s,
+            "tier": "local" if origin is None else "peer",
+            "node": node if origin is None else origin[0],
+            "bytes_read": n,
+            "read_s": round(reader.seconds_by_rank.get(s, 0.0), 6),
+            **({"fetch_bytes": origin[1], "fetch_s": round(origin[2], 6)} if origin else {}),
+        })
+    return RestoreResult(step, manifest, sources, timings, reader.bytes_read, outcome.fetched_bytes, skipped)
+
+
+def _needed_shards(state_dict: dict[str, Any], manifest: Manifest, is_coordinator: bool) -> set[int]:
+    metadata = manifest.to_dcp_metadata()
+    planner = SafeLoadPlanner()
+    planner.set_up_planner(state_dict, metadata, is_coordinator)
+    plan = planner.create_local_plan()
+    return {metadata.storage_data[item.storage_index].rank for item in plan.items}
+
+
+@dataclass
+class _Outcome:
+    failures: list[str] = field(default_factory=list)
+    rejected: list[str] = field(default_factory=list)  # copies that failed verification
+    origin: dict[int, tuple[str, int, float]] = field(default_factory=dict)  # shard -> (node, bytes, s)
+    fetched_bytes: int = 0
+
+
+def _gather_shards(
+    store: NodeStore,
+    group: Group,
+    transport: Transport | None,
+    manifest: Manifest,
+    node: str,
+    invs: dict[str, dict[int, _StepInv]],
+    need_by_node: dict[str, set[int]],
+    ranks_of: dict[str, list[int]],
+) -> _Outcome:
+    """Make every node hold verified copies of the shards it needs (collective)."""
+    step = manifest.step
+    out = _Outcome()
+
+    def holders(s: int) -> list[str]:
+        return [n for n in ranks_of if step in invs.get(n, {}) and s in invs[n][step].shards]
+
+    def worker(n: str, s: int) -> int:
+        return ranks_of[n][s % len(ranks_of[n])]
+
+    # Verify local copies; shard s on node n is checked by one rank of n.
+    mine: list[tuple[str, int, str | None]] = []
+    for n, shards in need_by_node.items():
+        for s in sorted(shards):
+            if n in holders(s) and worker(n, s) == group.rank:
+                try:
+                    store.verify_shard(step, manifest.shard(s))
+                    mine.append((n, s, None))
+                except CorruptShardError as e:
+                    mine.append((n, s, str(e)))
+    verdicts = [v for vs in group.all_gather(mine, "restore verify") for v in vs]
+    pending: set[tuple[str, int]] = {
+        (n, s) for n, shards in need_by_node.items() for s in shards if n not in holders(s)
+    }
+    tried: dict[tuple[str, int], list[str]] = {}  # what was tried, for the error message
+    used: dict[tuple[str, int], set[str]] = {}  # source nodes already tried
+    good_copy: dict[int, list[str]] = {}
+    for n, s, err in verdicts:
+        if err is None:
+            good_copy.setdefault(s, []).append(n)
+        else:
+            pending.add((n, s))
+            tried.setdefault((n, s), []).append(f"{n} (local copy): {err}")
+            used.setdefault((n, s), set()).add(n)
+            out.rejected.append(f"{n} (local copy): {err}")
+
+    while pending:
+        transfers = []  # (shard, from node, to node)
+        failures = []
+        busy: dict[str, int] = {}
+        for n, s in sorted(pending):
+            options = [m for m in holders(s) if m != n and m not in used.get((n, s), set())]
+            if not options:
+                what = "; ".join(tried.get((n, s), [])) or "no node holds it"
+                failures.append(f"step {step}: no intact copy of the shard of rank {s} for node "
+                                f"{n!r} (tried: {what})")
+                continue
+            # verified copies first, then the least busy sender
+            options.sort(key=lambda m: (m not in good_copy.get(s, []), busy.get(m, 0)))
+            transfers.append((s, options[0], n))
+            busy[options[0]] = busy.get(options[0], 0) + 1
+        if failures:
+            out.failures = failures
+            return out
+        if transport is None:
+            raise AegisError("shards must be fetched from peers but no transport is configured")
+        results = _run_transfers(store, group, transport, manifest, transfers, worker)
+        pending = set()
+        for s, src, dst, err, nbytes, secs in (x for xs in group.all_gather(results, "restore fetch") for x in xs):
+            if err is None:
+                if dst == node:
+                    out.origin[s] = (src, nbytes, secs)
+                    out.fetched_bytes += nbytes
+            else:
+                pending.add((dst, s))
+                tried.setdefault((dst, s), []).append(f"{src}: {err}")
+                used.setdefault((dst, s), set()).add(src)
+                out.rejected.append(f"{src} -> {dst}: {err}")
+    return out
+
+
+def _run_transfers(
+    store: NodeStore,
+    group: Group,
+    transport: Transport,
+    manifest: Manifest,
+    transfers: list[tuple[int, str, str]],
+    worker: Callable[[str, int], int],
+) -> list[tuple[int, str, str, str | None, int, float]]:
+    """One round of shard copies between nodes; receivers verify what arrives."""
+    step = manifest.step
+    sends, recvs, opened = [], [], []
+    incoming: dict[int, tuple[Slot, str, str]] = {}
+    t0 = time.perf_counter()
+    for s, src, dst in transfers:
+        sender, receiver = worker(src, s), worker(dst, s)
+        if sender == receiver:
+            raise AegisError("internal: a node fetching from itself")
+        if sender == group.rank:
+            with open(store.shard_path(step, s), "rb") as f:
+                m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            opened.append(m)
+            sends.append(Send(receiver, [torch.frombuffer(m, dtype=torch.uint8)]))
+        if receiver == group.rank:
+            store.step_dir(step).mkdir(mode=0o700, parents=True, exist_ok=True)
+
+            def alloc(sizes: list[int], s: int = s, src: str = src, dst: str = dst) -> list[torch.Tensor]:
+                slot = Slot(store.step_dir(step) / f".recv-rank-{s:05d}.shard")
+                slot.ensure(max(sum(sizes), 1))
+                incoming[s] = (slot, src, dst)
+                return [slot.view[: sizes[0]]] if sizes else []
+
+            recvs.append(Recv(sender, alloc))
+    try:
+        transport.exchange(sends, recvs)
+    finally:
+        for m in opened:
+            with contextlib.suppress(BufferError):
+                m.close()
+    secs = time.perf_counter() - t0
+    results = []
+    for s, (slot, src, dst) in sorted(incoming.items()):
+        rec = manifest.shard(s)
+        err = None
+        try:
+            with slot.memory as mem:
+                _, icrc = check_blob(mem, step=step, rank=s, where=f"copy from node {src!r}")
+            if icrc != rec.index_crc32c:
+                raise CorruptShardError(f"copy of the shard of rank {s} from node {src!r} does not "
+                                        "match the manifest", step=step, rank=s)
+        except CorruptShardError as e:
+            err = str(e)
+        slot.close()
+        if err is None:
+            os.replace(slot.path, store.shard_path(step, s))
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(slot.path)
+        results.append((s, src, dst, err, rec.size, secs))
+    return results
 
 
 def _cleanup(store: NodeStore, is_leader: bool, *, keep_step: int | None, bad: set[int] | None = None) -> None:
     """Leader of each node: drop what can never be restored: steps newer than the one restored
-    (uncommitted, or failed verification), uncommitted leftovers, and corrupt steps."""
+    (uncommitted, incomplete or corrupt), uncommitted leftovers, and corrupt steps."""
     if not is_leader:
         return
     for info in store.steps():
-        newer = keep_step is None or info.step > keep_step
-        if (bad and info.step in bad) or not info.committed or (newer and keep_step is not None):
+        newer = keep_step is not None and info.step > keep_step
+        if (bad and info.step in bad) or not info.committed or newer:
             store.remove_step(info.step)
