@@ -89,6 +89,10 @@ class NodeStore:
     def shard_path(self, step: int, rank: int) -> Path:
         return self.step_dir(step) / f"rank-{rank:05d}.shard"
 
+    def partial_path(self, step: int, rank: int) -> Path:
+        """Some chunks of a shard, fetched for one restore; never counted as a shard."""
+        return self.step_dir(step) / f".partial-rank-{rank:05d}"
+
     def manifest_path(self, step: int) -> Path:
         return self.step_dir(step) / MANIFEST
 
@@ -172,9 +176,10 @@ class NodeStore:
             body = f.read(size - FOOTER_SIZE - start)
         return decode_index(body, crc=crc, size=size, where=str(path)), size, crc
 
-    def verify_shard(self, step: int, record: ShardRecord) -> None:
-        """Check a local shard file against its manifest record: size, every chunk's crc32c,
-        and the index crc32c. Raises CorruptShardError naming step, rank and chunk."""
+    def verify_shard(self, step: int, record: ShardRecord, chunks: set[int] | None = None) -> None:
+        """Check a local shard file against its manifest record: size, every chunk's crc32c (or
+        those in ``chunks``), and the index crc32c. Raises CorruptShardError naming step, rank
+        and chunk."""
         path = self.shard_path(step, record.rank)
         where = f"node store {self.dir}"
         try:
@@ -193,7 +198,7 @@ class NodeStore:
                                         step=step, rank=record.rank, where=where)
             m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             try:
-                verify_chunks(m, record.chunks, step=step, rank=record.rank, where=where)
+                verify_chunks(m, record.chunks, step=step, rank=record.rank, where=where, only=chunks)
                 footer = m[size - FOOTER_SIZE:]
             finally:
                 m.close()
@@ -242,16 +247,19 @@ class Slot:
         self._map: mmap.mmap | None = None
         self._view: torch.Tensor | None = None
 
-    def ensure(self, nbytes: int) -> None:
-        """Make the mapped region at least ``nbytes`` (pages allocated now, not on first copy)."""
+    def ensure(self, nbytes: int, *, prefault: bool = True) -> None:
+        """Map exactly ``nbytes``; with ``prefault`` the pages are allocated now, not on the
+        first copy (without it the file stays sparse: only what is written takes memory)."""
         cap = max(nbytes, 1)  # exactly: the file grows past it on every save, never shrinks into it
         if cap == self.capacity and self._map is not None:
             return
         self.close_map()
         os.ftruncate(self.fd, cap)
-        with contextlib.suppress(OSError):  # tmpfs allocates (and zeroes) the pages here
-            os.posix_fallocate(self.fd, 0, cap)
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        flags = mmap.MAP_SHARED
+        if prefault:
+            with contextlib.suppress(OSError):  # tmpfs allocates (and zeroes) the pages here
+                os.posix_fallocate(self.fd, 0, cap)
+            flags |= getattr(mmap, "MAP_POPULATE", 0)
         self._map = mmap.mmap(self.fd, cap, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         self.capacity = cap
         self._view = torch.frombuffer(self._map, dtype=torch.uint8)

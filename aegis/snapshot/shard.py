@@ -17,10 +17,11 @@ copies tensors straight to their planned offsets on every save.
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import crc32c as _crc32c
@@ -54,6 +55,7 @@ __all__ = [
     "crc32c",
     "verify_chunks",
     "check_blob",
+    "chunks_for_ranges",
 ]
 
 ALIGN = 64
@@ -108,6 +110,10 @@ def plan_layout(items: Sequence[WriteItem], *, chunk_bytes: int) -> ShardLayout:
     for it in tensor_items:
         assert it.tensor_data is not None
         order.setdefault(it.tensor_data.properties.dtype, []).append(it)
+    # Small items first within a dtype: replicated scalars (which DCP saves on one rank and every
+    # rank reads) then share the first chunk, so a reader fetching them pulls one chunk, not all.
+    for group in order.values():
+        group.sort(key=lambda it: math.prod(it.tensor_data.chunk.sizes))  # type: ignore[union-attr]
     slots: list[TensorSlot] = []
     chunks: list[tuple[int, int, str]] = []
     pos = 0
@@ -236,12 +242,16 @@ def verify_chunks(
     step: int,
     rank: int,
     where: str,
+    only: Iterable[int] | None = None,
 ) -> None:
-    """Check every chunk's crc32c; raise :class:`CorruptShardError` naming the first bad chunk."""
+    """Check the crc32c of every chunk (or of the chunks ``only`` names); raise
+    :class:`CorruptShardError` naming the first bad chunk."""
     bad: tuple[int, ChunkRecord, int, int] | None = None
+    indices = sorted(only) if only is not None else range(len(chunks))
     with memoryview(data) as view:
         size = len(view)
-        for i, c in enumerate(chunks):
+        for i in indices:
+            c = chunks[i]
             end = c.offset + c.length
             if end > size:
                 bad = (i, c, end, -1)
@@ -287,3 +297,16 @@ def check_blob(data: memoryview | bytes, *, step: int, rank: int, where: str) ->
             f"step {index.step}", step=step, rank=rank, where=where)
     verify_chunks(data, index.chunks, step=step, rank=rank, where=where)
     return index, icrc
+
+
+def chunks_for_ranges(chunks: Sequence[ChunkRecord], ranges: Iterable[tuple[int, int]]) -> set[int]:
+    """Indices of the chunks overlapping any (offset, length) byte range."""
+    starts = [c.offset for c in chunks]
+    out: set[int] = set()
+    for off, length in ranges:
+        i = max(bisect.bisect_right(starts, off) - 1, 0)
+        end = off + max(length, 1)
+        while i < len(chunks) and chunks[i].offset < end:
+            out.add(i)
+            i += 1
+    return out

@@ -35,9 +35,9 @@ from aegis import _fault, errors
 from aegis._dist import Group
 from aegis.errors import AegisError, CorruptShardError, StateMismatchError
 from aegis.snapshot.dcp_io import SafeLoadPlanner, ShardReader
-from aegis.snapshot.manifest import Manifest
+from aegis.snapshot.manifest import ChunkRecord, Manifest
 from aegis.snapshot.node_store import NodeStore, Slot
-from aegis.snapshot.shard import check_blob
+from aegis.snapshot.shard import check_blob, chunks_for_ranges, verify_chunks
 from aegis.snapshot.transport import Recv, Send, Transport
 
 __all__ = ["RestoreResult", "restore_newest", "check_keys"]
@@ -183,10 +183,11 @@ def restore_newest(
         state_dict = make_state(manifest)
         group.run_all("restore key check", lambda sd=state_dict, m=manifest: check_keys(
             sd, m, ignore_prefix=rank_prefix))
-        needed = _needed_shards(state_dict, manifest, group.rank == 0)
-        need_by_node: dict[str, set[int]] = {n: set() for n in ranks_of}
+        needed = _needed_chunks(state_dict, manifest, group.rank == 0)
+        need_by_node: dict[str, dict[int, set[int]]] = {n: {} for n in ranks_of}
         for n, shards in group.all_gather((node, needed), "restore needs"):
-            need_by_node[n] |= shards
+            for s, chunk_ids in shards.items():
+                need_by_node[n].setdefault(s, set()).update(chunk_ids)
         t = lap("plan_s", t)
         outcome = _gather_shards(store, group, transport, manifest, node, invs, need_by_node, ranks_of)
         t = lap("fetch_verify_s", t)
@@ -198,8 +199,10 @@ def restore_newest(
         break
 
     # 5. load
-    mine = need_by_node[node]
-    paths = {s: store.shard_path(step, s) for s in mine}
+    paths = {
+        s: store.partial_path(step, s) if (node, s) in outcome.partial else store.shard_path(step, s)
+        for s in need_by_node[node]
+    }
     reader = ShardReader(manifest, paths)
     try:
         dcp.load(state_dict, storage_reader=reader, planner=SafeLoadPlanner(), process_group=group.pg)
@@ -229,18 +232,25 @@ def restore_newest(
     return RestoreResult(step, manifest, sources, timings, reader.bytes_read, outcome.fetched_bytes, skipped)
 
 
-def _needed_shards(state_dict: dict[str, Any], manifest: Manifest, is_coordinator: bool) -> set[int]:
+def _needed_chunks(state_dict: dict[str, Any], manifest: Manifest, is_coordinator: bool
+                   ) -> dict[int, set[int]]:
+    """shard rank -> indices of the chunks this rank's DCP load plan reads."""
     metadata = manifest.to_dcp_metadata()
     planner = SafeLoadPlanner()
     planner.set_up_planner(state_dict, metadata, is_coordinator)
     plan = planner.create_local_plan()
-    return {metadata.storage_data[item.storage_index].rank for item in plan.items}
+    ranges: dict[int, list[tuple[int, int]]] = {}
+    for item in plan.items:
+        loc = metadata.storage_data[item.storage_index]
+        ranges.setdefault(loc.rank, []).append((loc.file_offset, loc.length))
+    return {s: chunks_for_ranges(manifest.shard(s).chunks, rs) for s, rs in ranges.items()}
 
 
 @dataclass
 class _Outcome:
     failures: list[str] = field(default_factory=list)
     rejected: list[str] = field(default_factory=list)  # copies that failed verification
+    partial: set[tuple[str, int]] = field(default_factory=set)  # (node, shard) fetched in part
     origin: dict[int, tuple[str, int, float]] = field(default_factory=dict)  # shard -> (node, bytes, s)
     fetched_bytes: int = 0
 
@@ -252,7 +262,7 @@ def _gather_shards(
     manifest: Manifest,
     node: str,
     invs: dict[str, dict[int, _StepInv]],
-    need_by_node: dict[str, set[int]],
+    need_by_node: dict[str, dict[int, set[int]]],
     ranks_of: dict[str, list[int]],
 ) -> _Outcome:
     """Make every node hold verified copies of the shards it needs (collective)."""
@@ -271,7 +281,7 @@ def _gather_shards(
         for s in sorted(shards):
             if n in holders(s) and worker(n, s) == group.rank:
                 try:
-                    store.verify_shard(step, manifest.shard(s))
+                    store.verify_shard(step, manifest.shard(s), shards[s])
                     mine.append((n, s, None))
                 except CorruptShardError as e:
                     mine.append((n, s, str(e)))
@@ -304,7 +314,9 @@ def _gather_shards(
                 continue
             # verified copies first, then the least busy sender
             options.sort(key=lambda m: (m not in good_copy.get(s, []), busy.get(m, 0)))
-            transfers.append((s, options[0], n))
+            ids = need_by_node[n][s]
+            full = len(ids) == len(manifest.shard(s).chunks)
+            transfers.append((s, options[0], n, None if full else ids))
             busy[options[0]] = busy.get(options[0], 0) + 1
         if failures:
             out.failures = failures
@@ -313,8 +325,12 @@ def _gather_shards(
             raise AegisError("shards must be fetched from peers but no transport is configured")
         results = _run_transfers(store, group, transport, manifest, transfers, worker)
         pending = set()
-        for s, src, dst, err, nbytes, secs in (x for xs in group.all_gather(results, "restore fetch") for x in xs):
+        for s, src, dst, err, nbytes, secs, part in (
+            x for xs in group.all_gather(results, "restore fetch") for x in xs
+        ):
             if err is None:
+                if part:
+                    out.partial.add((dst, s))
                 if dst == node:
                     out.origin[s] = (src, nbytes, secs)
                     out.fetched_bytes += nbytes
@@ -326,38 +342,54 @@ def _gather_shards(
     return out
 
 
+def _runs(chunks: list[ChunkRecord], ids: set[int]) -> list[tuple[int, int]]:
+    """Byte ranges [start, end) covering the chunks ``ids``, contiguous chunks merged."""
+    out: list[tuple[int, int]] = []
+    for i in sorted(ids):
+        a, b = chunks[i].offset, chunks[i].offset + chunks[i].length
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
 def _run_transfers(
     store: NodeStore,
     group: Group,
     transport: Transport,
     manifest: Manifest,
-    transfers: list[tuple[int, str, str]],
+    transfers: list[tuple[int, str, str, set[int] | None]],
     worker: Callable[[str, int], int],
-) -> list[tuple[int, str, str, str | None, int, float]]:
-    """One round of shard copies between nodes; receivers verify what arrives."""
+) -> list[tuple[int, str, str, str | None, int, float, bool]]:
+    """One round of copies between nodes: a whole shard (ids None), or the byte ranges of the
+    chunks a node needs. Receivers verify what arrives before it is used."""
     step = manifest.step
     sends, recvs, opened = [], [], []
-    incoming: dict[int, tuple[Slot, str, str]] = {}
+    incoming: dict[int, tuple[Slot, str, str, set[int] | None]] = {}
     t0 = time.perf_counter()
-    for s, src, dst in transfers:
+    for s, src, dst, ids in transfers:
         sender, receiver = worker(src, s), worker(dst, s)
+        rec = manifest.shard(s)
+        runs = [(0, rec.size)] if ids is None else _runs(list(rec.chunks), ids)
         if sender == receiver:
             raise AegisError("internal: a node fetching from itself")
         if sender == group.rank:
             with open(store.shard_path(step, s), "rb") as f:
                 m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
             opened.append(m)
-            sends.append(Send(receiver, [torch.frombuffer(m, dtype=torch.uint8)]))
+            whole = torch.frombuffer(m, dtype=torch.uint8)
+            sends.extend(Send(receiver, [whole[a:b]]) for a, b in runs)
         if receiver == group.rank:
             store.step_dir(step).mkdir(mode=0o700, parents=True, exist_ok=True)
-
-            def alloc(sizes: list[int], s: int = s, src: str = src, dst: str = dst) -> list[torch.Tensor]:
-                slot = Slot(store.step_dir(step) / f".recv-rank-{s:05d}.shard")
-                slot.ensure(max(sum(sizes), 1))
-                incoming[s] = (slot, src, dst)
-                return [slot.view[: sizes[0]]] if sizes else []
-
-            recvs.append(Recv(sender, alloc))
+            path = (store.step_dir(step) / f".recv-rank-{s:05d}.shard" if ids is None
+                    else store.partial_path(step, s))
+            slot = Slot(path)
+            # a whole shard is pre-faulted; a partial one stays sparse
+            slot.ensure(rec.size, prefault=ids is None)
+            incoming[s] = (slot, src, dst, ids)
+            for a, b in runs:
+                recvs.append(Recv(sender, lambda sizes, v=slot.view[a:b]: [v]))
     try:
         transport.exchange(sends, recvs)
     finally:
@@ -366,24 +398,29 @@ def _run_transfers(
                 m.close()
     secs = time.perf_counter() - t0
     results = []
-    for s, (slot, src, dst) in sorted(incoming.items()):
+    for s, (slot, src, dst, ids) in sorted(incoming.items()):
         rec = manifest.shard(s)
         err = None
+        where = f"copy from node {src!r}"
         try:
             with slot.memory as mem:
-                _, icrc = check_blob(mem, step=step, rank=s, where=f"copy from node {src!r}")
-            if icrc != rec.index_crc32c:
-                raise CorruptShardError(f"copy of the shard of rank {s} from node {src!r} does not "
-                                        "match the manifest", step=step, rank=s)
+                if ids is None:
+                    _, icrc = check_blob(mem, step=step, rank=s, where=where)
+                    if icrc != rec.index_crc32c:
+                        raise CorruptShardError(f"copy of the shard of rank {s} from node {src!r} "
+                                                "does not match the manifest", step=step, rank=s)
+                else:
+                    verify_chunks(mem, rec.chunks, step=step, rank=s, where=where, only=ids)
         except CorruptShardError as e:
             err = str(e)
         slot.close()
-        if err is None:
+        nbytes = sum(b - a for a, b in ([(0, rec.size)] if ids is None else _runs(list(rec.chunks), ids)))
+        if err is None and ids is None:
             os.replace(slot.path, store.shard_path(step, s))
-        else:
+        elif err is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(slot.path)
-        results.append((s, src, dst, err, rec.size, secs))
+        results.append((s, src, dst, err, nbytes, secs, ids is not None))
     return results
 
 
@@ -396,3 +433,6 @@ def _cleanup(store: NodeStore, is_leader: bool, *, keep_step: int | None, bad: s
         newer = keep_step is not None and info.step > keep_step
         if (bad and info.step in bad) or not info.committed or newer:
             store.remove_step(info.step)
+        else:
+            for f in store.step_dir(info.step).glob(".partial-*"):
+                f.unlink(missing_ok=True)
