@@ -1,12 +1,17 @@
-"""aegis demo: a training job is SIGKILLed mid-run and resumes from its in-memory snapshot.
+"""aegis demo: a simulated 3-node training job loses a node and recovers from peer memory.
 
-1. an uninterrupted reference run of the reference trainer (2 ranks, torchrun, CPU/gloo);
-2. the same run with aegis snapshotting every step into a tmpfs node store; every rank is
-   SIGKILLed mid-run (workers and agent: torchrun starts workers in their own sessions);
-3. the same command again: aegis restores the newest committed snapshot and training continues;
-4. the losses after the restore are compared with the reference run, bit for bit.
+1. A reference run: the reference trainer, uninterrupted, same world size, no aegis.
+2. The same job on 3 simulated nodes (torchrun agents with their own node ids and tmpfs node
+   stores, meeting through a standalone rendezvous store), aegis snapshotting every step and
+   replicating each shard to the next node.
+3. Mid-run one node is SIGKILLed (agent and workers) and its node store deleted. A replacement
+   node with an empty store joins (or, with --shrink, none does and the world shrinks 3 -> 2).
+4. The job restores the newest committed step from the survivors' memory and the replicas they
+   hold, and trains on. The demo prints the recovery timeline and checks that the restored state
+   equals the state saved at that step, and (same world size) that every loss after recovery
+   equals the uninterrupted run's, bitwise.
 
-Run with ``make demo``. Exit code 0 only when the resumed losses equal the reference bitwise.
+``make demo`` runs it; exit code 0 only if every check passes.
 """
 
 from __future__ import annotations
@@ -14,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -24,105 +28,175 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from aegis.sim.procs import kill_tree, wait_gone  # noqa: E402
+from aegis.sim.cluster import SimCluster  # noqa: E402
+from aegis.snapshot.node_store import NodeStore  # noqa: E402
 
-TRAINER = ROOT / "examples" / "train_fsdp.py"
-
-
-def torchrun(nproc: int, args: list[str], *, log: Path) -> subprocess.Popen[bytes]:
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-        str(TRAINER), *args,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    with open(log, "ab") as out:
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True, cwd=ROOT)
+TRAINER = str(ROOT / "examples" / "train_fsdp.py")
 
 
-def read_losses(path: Path) -> dict[int, dict]:
+def jsonl(path: Path) -> list[dict]:
     if not path.exists():
-        return {}
-    out = {}
-    for line in path.read_text().splitlines():
-        if line.strip():
-            rec = json.loads(line)
-            out[rec["step"]] = rec
-    return out
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def events(workdir: Path) -> list[dict]:
+    out = []
+    for f in sorted((workdir / "events").glob("*/rank-*.jsonl")):
+        for e in jsonl(f):
+            e["_node"] = f.parent.name
+            out.append(e)
+    return sorted(out, key=lambda e: e["time"])
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return ""
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--nproc", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--kill-after", type=int, default=14, help="SIGKILL once this step is logged")
+    ap.add_argument("--nodes", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--kill-after", type=int, default=15, help="kill once this step is logged")
+    ap.add_argument("--kill", default="node-1", help="which node to lose")
+    ap.add_argument("--shrink", action="store_true", help="no replacement node: the world shrinks")
     ap.add_argument("--config", default="tiny")
     ap.add_argument("--workdir", default=None)
     args = ap.parse_args(argv)
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="aegis-demo-"))
     work.mkdir(parents=True, exist_ok=True)
-    store = Path(tempfile.mkdtemp(prefix="aegis-demo-", dir="/dev/shm"))
-    common = ["--config", args.config, "--steps", str(args.steps), "--dropout", "0.1"]
-    log = work / "torchrun.log"
-    print(f"aegis demo: {args.nproc} ranks, {args.config} model, {args.steps} steps; logs in {work}")
+    world = args.nodes
+    train = ["--config", args.config, "--steps", str(args.steps), "--dropout", "0.1"]
+    mode = f"shrink {args.nodes} -> {args.nodes - 1} nodes" if args.shrink else "replacement node joins"
+    print(f"aegis demo: {args.nodes} simulated nodes x 1 rank, {args.config} model, {args.steps} steps, "
+          f"snapshot every step, 1 replica; lose {args.kill} after step {args.kill_after}; {mode}")
+    print(f"logs: {work}")
 
-    print("1) reference run, uninterrupted ...", flush=True)
-    ref_log = work / "reference.jsonl"
-    p = torchrun(args.nproc, [*common, "--no-aegis", "--loss-log", str(ref_log)], log=log)
-    if p.wait() != 0:
-        print(f"reference run failed; see {log}")
+    checks: list[tuple[str, bool]] = []
+    reference: dict[int, dict] = {}
+    if not args.shrink:
+        print("1) reference run (uninterrupted, no aegis) ...", flush=True)
+        ref_log = work / "reference.jsonl"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+               TRAINER, *train, "--no-aegis", "--loss-log", str(ref_log)]
+        with open(work / "reference.log", "wb") as out:
+            code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
+                                  env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}).returncode
+        if code != 0:
+            print(f"reference run failed; see {work / 'reference.log'}")
+            return 1
+        reference = {r["step"]: r for r in jsonl(ref_log)}
+
+    print(f"2) start {args.nodes} nodes ...", flush=True)
+    loss_log, digest_log = work / "loss.jsonl", work / "digest.jsonl"
+    cluster = SimCluster(
+        work,
+        [TRAINER, *train, "--job", "demo", "--loss-log", str(loss_log), "--digest-log", str(digest_log),
+         "--step-sleep", "0.05"],
+        nodes=args.nodes,
+        min_nodes=args.nodes - 1 if args.shrink else args.nodes,
+        max_nodes=args.nodes,
+        job="demo",
+    )
+    try:
+        cluster.start()
+        deadline = time.monotonic() + 300
+        while max((r["step"] for r in jsonl(loss_log)), default=0) < args.kill_after:
+            if time.monotonic() > deadline:
+                print("the job did not reach the kill step; see the node logs")
+                return 1
+            time.sleep(0.02)
+        survivors = [n for n in cluster.alive_nodes() if n != args.kill]
+        old_workers = {p for n in survivors for p in cluster.nodes[n].workers()}
+        print(f"3) SIGKILL {args.kill} (agent + workers) and delete its node store", flush=True)
+        t_kill = cluster.kill_node(args.kill)
+        if not args.shrink:
+            replacement = cluster.add_node()
+            print(f"   replacement {replacement.node_id} started with an empty node store", flush=True)
+        t_detect = None
+        while time.monotonic() < deadline:
+            if not any(os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split(")")[-1].split()[0] != "Z"
+                       for p in old_workers):
+                t_detect = time.time()
+                break
+            time.sleep(0.01)
+        committed_at_kill = max(
+            (s.step for n in survivors for s in NodeStore(cluster.nodes[n].store_dir, "demo").steps() if s.committed),
+            default=0,
+        )
+        print("4) waiting for the job to finish ...", flush=True)
+        codes = cluster.wait(600)
+    finally:
+        cluster.shutdown()
+
+    ok_exit = all(c == 0 for c in codes.values())
+    checks.append((f"every node's agent exited 0 ({codes})", ok_exit))
+    evs = events(work)
+    after = [e for e in evs if e["time"] > t_kill]
+    starts = [e for e in after if e["event"] == "start"]
+    restores = [e for e in after if e["event"] == "restore" and e.get("found")]
+    losses = jsonl(loss_log)
+    if not restores or not starts:
+        print("no restore after the kill was recorded; see the node logs")
         return 1
-    reference = read_losses(ref_log)
+    restored = restores[0]["step"]
+    resumed = [r for r in losses if r["time"] > t_kill and r["step"] > restored]
+    first = resumed[0] if resumed else None
+    t_up = max(e["time"] for e in starts)
+    t_restored = max(e["time"] for e in restores)
+    new_world = restores[0]["world_size"]
 
-    print("2) run with aegis (snapshot every step), then SIGKILL every rank mid-run ...", flush=True)
-    run_log = work / "aegis.jsonl"
-    trainer_args = [*common, "--every", "1", "--store-dir", str(store), "--loss-log", str(run_log),
-                    "--step-sleep", "0.05", "--job", "demo"]
-    p = torchrun(args.nproc, trainer_args, log=log)
-    while p.poll() is None and max(read_losses(run_log), default=0) < args.kill_after:
-        time.sleep(0.02)
-    if p.poll() is not None:
-        print(f"the run ended before it could be killed; see {log}")
-        return 1
-    t_kill = time.time()
-    victims = kill_tree(p.pid)
-    wait_gone(victims)
-    p.wait()
-    killed_at = max(read_losses(run_log))
-    committed = sorted(int(d.name[5:]) for d in (store / "demo").glob("step-*") if (d / "manifest.json").exists())
-    print(f"   SIGKILL sent to {len(victims)} processes after step {killed_at} was logged; "
-          f"committed snapshots in the node store: {committed}")
+    print()
+    print(f"recovery timeline (seconds after the SIGKILL of {args.kill})")
+    print(f"  {0.0:6.2f}  kill        {args.kill}: agent and workers SIGKILLed, node store deleted")
+    if t_detect:
+        print(f"  {t_detect - t_kill:6.2f}  detection   survivors' workers failed their collective and exited")
+    print(f"  {t_up - t_kill:6.2f}  rendezvous  new round complete, world {new_world}: every worker up "
+          f"(process group and aegis Manager started)")
+    tiers: dict[str, int] = {}
+    fetched = 0
+    read = 0
+    secs = max(e["seconds"] for e in restores)
+    for e in restores:
+        read += e["bytes"]
+        fetched += e.get("bytes_fetched", 0)
+        for s in e["sources"]:
+            tiers[s["tier"]] = tiers.get(s["tier"], 0) + 1
+    src = ", ".join(f"{k}: {v} shard reads" for k, v in sorted(tiers.items()))
+    print(f"  {t_restored - t_kill:6.2f}  restore     step {restored} on {len(restores)} ranks in {secs:.2f} s "
+          f"({fmt_bytes(read)} read, {read / secs / 1e9:.3f} GB/s; {fmt_bytes(fetched)} fetched from peers; {src})")
+    if first:
+        print(f"  {first['time'] - t_kill:6.2f}  first step  step {first['step']} finished (loss {first['loss']:.6f})")
+    print()
 
-    print("3) restart the same command: aegis restores from host memory ...", flush=True)
-    before = len(read_losses(run_log))
-    t_restart = time.time()
-    p = torchrun(args.nproc, trainer_args, log=log)
-    code = p.wait()
-    if code != 0:
-        print(f"resumed run failed (exit {code}); see {log}")
-        return 1
-    lines = [json.loads(x) for x in run_log.read_text().splitlines() if x.strip()]
-    resumed = lines[before:]
-    first = resumed[0]
-    events = [json.loads(x) for x in (store / "demo" / "events" / "rank-00000.jsonl").read_text().splitlines()]
-    restore = [e for e in events if e["event"] == "restore" and e["time"] >= t_restart][-1]
-    print(f"   restored step {restore['step']} in {restore['seconds'] * 1e3:.0f} ms "
-          f"({restore['bytes'] / 1e6:.2f} MB read); first step after restart: {first['step']} "
-          f"(restart to first step {first['time'] - t_restart:.1f} s, kill to first step "
-          f"{first['time'] - t_kill:.1f} s)")
-
-    print("4) losses after the restore vs the uninterrupted run:")
-    print(f"   {'step':>5}  {'reference':>20}  {'resumed':>20}  equal")
-    ok = first["step"] == restore["step"] + 1
-    for rec in resumed:
-        ref = reference[rec["step"]]
-        same = ref["loss_hex"] == rec["loss_hex"]
-        ok &= same
-        print(f"   {rec['step']:>5}  {ref['loss']:>20.12f}  {rec['loss']:>20.12f}  {'yes' if same else 'NO'}")
-    ok &= resumed[-1]["step"] == args.steps
-    print("PASS: resumed at the snapshot step with bitwise-equal losses" if ok else "FAIL")
-    shutil.rmtree(store, ignore_errors=True)
+    checks.append((f"restored the newest step committed at the kill ({committed_at_kill})", restored == committed_at_kill))
+    digests = jsonl(digest_log)
+    saved = {d["step"]: d["digest"] for d in digests if d["phase"] == "saved" and d["time"] < t_kill}
+    back = [d for d in digests if d["phase"] == "restored" and d["time"] > t_kill]
+    checks.append((f"restored state equals the state saved at step {restored} (full-state crc32c)",
+                   bool(back) and back[0]["digest"] == saved.get(restored)))
+    checks.append(("training finished every step", bool(losses) and losses[-1]["step"] == args.steps))
+    if not args.shrink:
+        same = [r for r in resumed if reference[r["step"]]["loss_hex"] == r["loss_hex"]]
+        checks.append((f"all {len(resumed)} losses after recovery equal the uninterrupted run bitwise",
+                       bool(resumed) and len(same) == len(resumed)))
+        print(f"   {'step':>5}  {'uninterrupted':>16}  {'after recovery':>16}")
+        for r in resumed[:5] + ([] if len(resumed) <= 6 else [{"step": "..."}]) + resumed[-1:] * (len(resumed) > 5):
+            if r["step"] == "...":
+                print("     ...")
+                continue
+            print(f"   {r['step']:>5}  {reference[r['step']]['loss']:>16.12f}  {r['loss']:>16.12f}")
+        print()
+    ok = True
+    for what, passed in checks:
+        ok &= passed
+        print(f"  [{'PASS' if passed else 'FAIL'}] {what}")
+    print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 
 

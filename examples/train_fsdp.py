@@ -390,6 +390,46 @@ def dump_state(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, ex
     dist.barrier()
 
 
+def state_digest(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+                 sampler: Any) -> str | None:
+    """Collective: crc32c of the full (unsharded) training state, on rank 0; None elsewhere.
+
+    Independent of the world size, so a state restored onto fewer ranks can be compared with
+    the state that was saved."""
+    import crc32c
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model_sd, optim_sd = get_state_dict(
+        model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    if dist.get_rank() != 0:
+        return None
+    crc = 0
+    for name, t in sorted(model_sd.items()):
+        crc = crc32c.crc32c(name.encode(), crc)
+        crc = crc32c.crc32c(t.detach().contiguous().view(-1).view(torch.uint8).numpy(), crc)
+    for fqn, st in sorted(optim_sd["state"].items()):
+        for k, v in sorted(st.items()):
+            crc = crc32c.crc32c(f"{fqn}.{k}".encode(), crc)
+            if isinstance(v, torch.Tensor):
+                crc = crc32c.crc32c(v.detach().contiguous().view(-1).view(torch.uint8).numpy(), crc)
+            else:
+                crc = crc32c.crc32c(repr(v).encode(), crc)
+    other = json.dumps([optim_sd["param_groups"], scheduler.state_dict(), sampler.state_dict()],
+                       sort_keys=True, default=repr)
+    return f"{crc32c.crc32c(other.encode(), crc):08x}"
+
+
+def write_digest(path: str, phase: str, step: int, *parts: Any) -> None:
+    digest = state_digest(*parts)
+    if digest is not None:
+        with open(path, "a") as f:
+            f.write(json.dumps({"step": step, "phase": phase, "digest": digest,
+                                "world": dist.get_world_size(), "time": time.time()}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
 # --------------------------------------------------------------------------------------------
 # Main
 # --------------------------------------------------------------------------------------------
@@ -408,6 +448,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--store-dir", default=None, help="aegis node store (default /dev/shm/aegis)")
     p.add_argument("--every", type=int, default=1, help="aegis snapshot every N steps")
     p.add_argument("--keep", type=int, default=1, help="aegis in-memory snapshots to keep")
+    p.add_argument("--replicas", type=int, default=1, help="aegis replicas on other nodes")
+    p.add_argument(
+        "--digest-log",
+        default=None,
+        help="append a digest of the full state after every save and after restore (rank 0)",
+    )
     p.add_argument("--no-aegis", action="store_true", help="train without checkpointing")
     p.add_argument("--loss-log", default=None, help="append one JSON line per step (rank 0)")
     p.add_argument(
@@ -485,6 +531,7 @@ def _train(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> 
             },
             every=args.every,
             keep=args.keep,
+            replicas=args.replicas,
             store_dir=args.store_dir,
         )
         t0 = time.perf_counter()
@@ -499,6 +546,8 @@ def _train(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> 
         # Guard against data/step drift; aegis restores the sampler together with the step.
         if sampler.consumed != start:
             raise RuntimeError(f"sampler at {sampler.consumed} global batches, step {start}")
+        if args.digest_log and start:
+            write_digest(args.digest_log, "restored", start, model, optimizer, scheduler, sampler)
 
     log = open(args.loss_log, "a") if (args.loss_log and rank == 0) else None  # noqa: SIM115
     try:
@@ -521,6 +570,8 @@ def _train(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> 
             if mgr is not None:
                 mgr.save(step)
             t2 = time.perf_counter()
+            if args.digest_log and step % args.every == 0:
+                write_digest(args.digest_log, "saved", step, model, optimizer, scheduler, sampler)
             if rank == 0:
                 print(
                     f"step {step:>6}/{args.steps} loss {loss:.6f} lr {lr:.3e} "

@@ -95,6 +95,9 @@ class Manager:
         )
         self.last_restore: RestoreResult | None = None
         self._closed = False
+        self.events.emit("start", node=self.node, world_size=self.world, pid=os.getpid(),
+                         replicas=self.engine.placement.effective_replicas,
+                         replica_targets=self.engine.targets)
 
     # -- state ---------------------------------------------------------------------------------
 

@@ -1,0 +1,228 @@
+"""A simulated multi-node cluster on one machine.
+
+Each node is a torchrun agent with its own ``AEGIS_NODE_ID`` and node store directory. The
+agents meet through c10d rendezvous hosted by a standalone ``TCPStore`` process that no node
+owns (agents run with ``is_host=false``), and ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` makes
+every rendezvous round publish a fresh master address. Measured here: with the store hosted by
+one of the agents (torchrun's default), a replacement node never joined after that agent's node
+was lost.
+
+Losing a node = SIGKILL its agent and its workers (they run in their own sessions, so the
+agent's process group does not cover them) and delete its node store. A replacement node is a
+new agent with a new id and an empty store.
+
+On a real cluster the same roles are: a rendezvous endpoint that outlives any training node
+(a small always-on host, or etcd with ``--rdzv_backend=etcd-v2``), ``--nnodes=MIN:MAX`` with
+``--max-restarts``, and a node store on each node's tmpfs (``AEGIS_STORE_DIR``). See README.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aegis.sim.procs import descendants, kill_tree, wait_gone
+
+__all__ = ["SimCluster", "SimNode", "free_port"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class SimNode:
+    node_id: str
+    store_dir: Path
+    log: Path
+    proc: subprocess.Popen[bytes]
+    started: float = field(default_factory=time.time)
+    killed: float | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def workers(self) -> list[int]:
+        """Worker pids (the agent's descendants)."""
+        return descendants(self.proc.pid) if self.alive else []
+
+
+_STORE_MAIN = """
+import signal, sys, time
+from datetime import timedelta
+from torch.distributed import TCPStore
+store = TCPStore("127.0.0.1", int(sys.argv[1]), is_master=True, wait_for_workers=False,
+                 timeout=timedelta(seconds=600))
+print("ready", flush=True)
+signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
+while True:
+    time.sleep(3600)
+"""
+
+
+class SimCluster:
+    """N simulated nodes running ``command`` (a script and its arguments) under torchrun.
+
+    ``min_nodes < nodes`` lets the world shrink when a node is lost and no replacement comes.
+    """
+
+    def __init__(
+        self,
+        workdir: str | os.PathLike[str],
+        command: list[str],
+        *,
+        nodes: int = 3,
+        nproc_per_node: int = 1,
+        min_nodes: int | None = None,
+        max_nodes: int | None = None,
+        job: str = "sim",
+        store_root: str | os.PathLike[str] | None = None,
+        max_restarts: int = 20,
+        env: dict[str, str] | None = None,
+        last_call_timeout: int = 1,
+    ) -> None:
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.command = command
+        self.initial_nodes = nodes
+        self.nproc = nproc_per_node
+        self.min_nodes = min_nodes or nodes
+        self.max_nodes = max_nodes or max(nodes, self.min_nodes)
+        self.job = job
+        self.store_root = Path(store_root) if store_root else Path(f"/dev/shm/aegis-sim-{os.getpid()}-{job}")
+        self.max_restarts = max_restarts
+        self.env = env or {}
+        self.last_call_timeout = last_call_timeout
+        self.port = free_port()
+        self.nodes: dict[str, SimNode] = {}
+        self._next = 0
+        self._store: subprocess.Popen[bytes] | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def start(self) -> SimCluster:
+        self._store = subprocess.Popen(
+            [sys.executable, "-c", _STORE_MAIN, str(self.port)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        assert self._store.stdout is not None
+        line = self._store.stdout.readline()
+        if b"ready" not in line:
+            raise RuntimeError(f"rendezvous store did not start: {line!r}")
+        for _ in range(self.initial_nodes):
+            self.add_node()
+        return self
+
+    def add_node(self) -> SimNode:
+        """Start a node with a new id and an empty node store (a replacement, or the first)."""
+        node_id = f"node-{self._next}"
+        self._next += 1
+        store_dir = self.store_root / node_id
+        shutil.rmtree(store_dir, ignore_errors=True)
+        store_dir.mkdir(parents=True, mode=0o700)
+        log = self.workdir / f"{node_id}.log"
+        rdzv_conf = (
+            f"is_host=false,join_timeout=300,last_call_timeout={self.last_call_timeout},"
+            "close_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=3"
+        )
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run",
+            f"--nnodes={self.min_nodes}:{self.max_nodes}",
+            f"--nproc_per_node={self.nproc}",
+            "--rdzv_backend=c10d",
+            f"--rdzv_endpoint=127.0.0.1:{self.port}",
+            f"--rdzv_id={self.job}",
+            f"--rdzv_conf={rdzv_conf}",
+            f"--max_restarts={self.max_restarts}",
+            "--monitor_interval=0.1",
+            "--local_addr=127.0.0.1",
+            *self.command,
+        ]
+        env = {
+            **os.environ,
+            "AEGIS_NODE_ID": node_id,
+            "AEGIS_STORE_DIR": str(store_dir),
+            "AEGIS_EVENTS_DIR": str(self.workdir / "events" / node_id),
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+            "OMP_NUM_THREADS": "1",
+            "PYTHONWARNINGS": "ignore",
+            "PYTHONUNBUFFERED": "1",
+            **self.env,
+        }
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True)
+        node = SimNode(node_id, store_dir, log, proc)
+        self.nodes[node_id] = node
+        return node
+
+    def kill_node(self, node_id: str, *, delete_store: bool = True) -> float:
+        """SIGKILL a node's agent and workers and delete its node store; return the kill time."""
+        node = self.nodes[node_id]
+        t = time.time()
+        victims = kill_tree(node.proc.pid)
+        node.killed = t
+        wait_gone(victims, timeout=10)
+        with contextlib.suppress(Exception):
+            node.proc.wait(timeout=5)
+        if delete_store:
+            shutil.rmtree(node.store_dir, ignore_errors=True)
+        return t
+
+    def stop_node(self, node_id: str) -> list[int]:
+        """SIGSTOP a node's processes (a frozen node, not a dead one); returns the pids."""
+        node = self.nodes[node_id]
+        pids = [node.proc.pid, *node.workers()]
+        for p in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGSTOP)
+        return pids
+
+    def cont_node(self, pids: list[int]) -> None:
+        for p in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGCONT)
+
+    def alive_nodes(self) -> list[str]:
+        return [n for n, node in self.nodes.items() if node.alive]
+
+    def wait(self, timeout: float) -> dict[str, int | None]:
+        """Wait for every live agent to exit; return exit codes (None: still running)."""
+        deadline = time.monotonic() + timeout
+        for node in self.nodes.values():
+            if node.killed is not None:
+                continue
+            remaining = max(deadline - time.monotonic(), 0.01)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                node.proc.wait(timeout=remaining)
+        return {n: node.proc.poll() for n, node in self.nodes.items() if node.killed is None}
+
+    def shutdown(self, *, remove_stores: bool = True) -> None:
+        for node in self.nodes.values():
+            if node.alive:
+                victims = kill_tree(node.proc.pid)
+                wait_gone(victims, timeout=10)
+            with contextlib.suppress(Exception):
+                node.proc.wait(timeout=5)
+        if self._store is not None and self._store.poll() is None:
+            self._store.kill()
+            self._store.wait(timeout=5)
+        if remove_stores:
+            shutil.rmtree(self.store_root, ignore_errors=True)
+
+    def __enter__(self) -> SimCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
