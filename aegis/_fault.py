@@ -1,41 +1,71 @@
-"""Fault injection for tests: die (SIGKILL) at a named phase of a given rank and step.
+"""Fault injection for tests: die, or freeze, at a named phase of a given rank and step.
 
-Set ``AEGIS_FAIL_AT="<rank>:<step>:<phase>"`` (several separated by ``,``) in the environment of
-the training processes. Phases: ``stage`` (halfway through the blocking copy), ``complete``
-(after the checksums, before the shard's index is written), ``commit`` (on the node leader,
-right before the manifest is written). A no-op when the variable is unset.
+``AEGIS_FAIL_AT="<rank>:<step>:<phase>"`` (several separated by ``,``; step ``*`` = any) in the
+environment of the training processes. Phases: ``stage`` (halfway through the blocking copy),
+``complete`` (after the checksums, before the shard's index is written), ``replicate`` (before
+the shard is pushed to its peers), ``commit`` (on a node leader, right before its manifest is
+written), ``restore`` (after the restore decision, before any shard is fetched or loaded).
+
+``AEGIS_FAIL_MODE``: ``kill`` (default: SIGKILL this process) or ``pause`` (write a marker file
+into ``AEGIS_FAULT_DIR`` and block, so that a harness can kill the whole node at exactly that
+moment). With ``AEGIS_FAULT_DIR`` set, each fault fires once per job: the marker is created
+exclusively, so a restarted worker repeating the step does not fire it again.
+A no-op when ``AEGIS_FAIL_AT`` is unset.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import time
 
 __all__ = ["PHASES", "fail_at", "hit"]
 
 PHASES = ("stage", "complete", "replicate", "commit", "restore")
 
 
-def _parse(spec: str) -> set[tuple[int, int, str]]:
-    out = set()
+def _parse(spec: str) -> list[tuple[int, int | None, str]]:
+    out = []
     for part in filter(None, (p.strip() for p in spec.split(","))):
         rank, step, phase = part.split(":")
         if phase not in PHASES:
             raise ValueError(f"AEGIS_FAIL_AT: unknown phase {phase!r}; use one of {PHASES}")
-        out.add((int(rank), int(step), phase))
+        out.append((int(rank), None if step == "*" else int(step), phase))
     return out
 
 
 _SPEC = _parse(os.environ.get("AEGIS_FAIL_AT", ""))
+_MODE = os.environ.get("AEGIS_FAIL_MODE", "kill")
+_DIR = os.environ.get("AEGIS_FAULT_DIR")
 
 
-def fail_at(rank: int, step: int, phase: str) -> str:
-    """The environment value that makes ``rank`` die at ``phase`` of ``step``."""
+def fail_at(rank: int, step: int | None, phase: str) -> str:
+    """The ``AEGIS_FAIL_AT`` value that makes ``rank`` fail at ``phase`` of ``step``."""
     if phase not in PHASES:
         raise ValueError(phase)
-    return f"{rank}:{step}:{phase}"
+    return f"{rank}:{'*' if step is None else step}:{phase}"
 
 
 def hit(phase: str, step: int, rank: int) -> None:
-    if _SPEC and (rank, step, phase) in _SPEC:
-        os.kill(os.getpid(), signal.SIGKILL)
+    if not _SPEC:
+        return
+    for r, s, p in _SPEC:
+        if r == rank and p == phase and s in (None, step):
+            break
+    else:
+        return
+    if _DIR:
+        marker = os.path.join(_DIR, f"{r}-{'any' if s is None else s}-{p}")
+        try:
+            fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        except FileExistsError:
+            return  # fired already in this job
+        info = {"rank": rank, "step": step, "phase": phase, "pid": os.getpid(),
+                "node": os.environ.get("AEGIS_NODE_ID"), "time": time.time()}
+        os.write(fd, json.dumps(info).encode())
+        os.close(fd)
+    if _MODE == "pause":
+        while True:  # frozen here until the harness kills this node
+            time.sleep(3600)
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -29,24 +28,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from aegis.sim.cluster import SimCluster  # noqa: E402
+from aegis.sim.scenario import read_events, wait_exited  # noqa: E402
+from aegis.sim.scenario import read_jsonl as jsonl  # noqa: E402
 from aegis.snapshot.node_store import NodeStore  # noqa: E402
 
 TRAINER = str(ROOT / "examples" / "train_fsdp.py")
-
-
-def jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-
-
-def events(workdir: Path) -> list[dict]:
-    out = []
-    for f in sorted((workdir / "events").glob("*/rank-*.jsonl")):
-        for e in jsonl(f):
-            e["_node"] = f.parent.name
-            out.append(e)
-    return sorted(out, key=lambda e: e["time"])
 
 
 def fmt_bytes(n: float) -> str:
@@ -118,13 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.shrink:
             replacement = cluster.add_node()
             print(f"   replacement {replacement.node_id} started with an empty node store", flush=True)
-        t_detect = None
-        while time.monotonic() < deadline:
-            if not any(os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split(")")[-1].split()[0] != "Z"
-                       for p in old_workers):
-                t_detect = time.time()
-                break
-            time.sleep(0.01)
+        t_detect = wait_exited(old_workers, max(deadline - time.monotonic(), 1))
         committed_at_kill = max(
             (s.step for n in survivors for s in NodeStore(cluster.nodes[n].store_dir, "demo").steps() if s.committed),
             default=0,
@@ -136,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ok_exit = all(c == 0 for c in codes.values())
     checks.append((f"every node's agent exited 0 ({codes})", ok_exit))
-    evs = events(work)
+    evs = read_events(work)
     after = [e for e in evs if e["time"] > t_kill]
     starts = [e for e in after if e["event"] == "start"]
     restores = [e for e in after if e["event"] == "restore" and e.get("found")]

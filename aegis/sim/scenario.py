@@ -1,0 +1,243 @@
+"""Failure scenarios on the simulated cluster, with the checks that every recovery must pass.
+
+A scenario runs the reference trainer on N simulated nodes with snapshots every step, loses
+nodes at chosen moments (between steps, or exactly at a phase of a snapshot or a restore, through
+``aegis._fault``'s pause mode), lets replacements join or the world shrink, and then checks:
+
+* every agent exits 0 and training reaches the last step;
+* after each loss, the job restored the newest step that was committed on a surviving node;
+* the restored state equals, bit for bit, the state saved at that step (full-state crc32c that
+  the trainer logs after every save and after every restore).
+
+Used by the demo's checks, the fault-matrix tests and the benchmarks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aegis.sim.cluster import SimCluster
+from aegis.snapshot.node_store import NodeStore
+
+__all__ = ["Kill", "Scenario", "ScenarioResult", "read_jsonl", "read_events", "wait_exited", "TRAINER"]
+
+TRAINER = str(Path(__file__).resolve().parents[2] / "examples" / "train_fsdp.py")
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except ValueError:  # a line cut by a kill
+                continue
+    return out
+
+
+def read_events(workdir: Path) -> list[dict[str, Any]]:
+    out = []
+    for f in sorted((workdir / "events").glob("*/rank-*.jsonl")):
+        for e in read_jsonl(f):
+            e["_node"] = f.parent.name
+            out.append(e)
+    return sorted(out, key=lambda e: e["time"])
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_exited(pids: set[int], timeout: float) -> float | None:
+    """Time at which none of ``pids`` runs any more, or None on timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not any(_running(p) for p in pids):
+            return time.time()
+        time.sleep(0.01)
+    return None
+
+
+@dataclass
+class Kill:
+    """Lose a node: after ``after_step`` is logged (node given by id), or when the fault marker
+    of ``fault`` appears (the node that hit it). ``replace``: a replacement joins."""
+
+    after_step: int | None = None
+    node: str | None = None
+    fault: str | None = None  # an AEGIS_FAIL_AT entry, run in pause mode
+    replace: bool = True
+    delay: float = 0.1  # after the step is logged, so the node is between steps
+
+
+@dataclass
+class KillRecord:
+    node: str
+    t_kill: float
+    t_detect: float | None
+    committed: list[int]  # committed steps on the survivors once their workers were gone
+    trigger: str
+
+
+@dataclass
+class ScenarioResult:
+    workdir: Path
+    codes: dict[str, int | None]
+    kills: list[KillRecord]
+    losses: list[dict[str, Any]]
+    digests: list[dict[str, Any]]
+    events: list[dict[str, Any]]
+    checks: list[tuple[str, bool]] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.checks) and all(ok for _, ok in self.checks)
+
+    def failures(self) -> list[str]:
+        return [what for what, ok in self.checks if not ok]
+
+
+@dataclass
+class Scenario:
+    workdir: Path
+    kills: list[Kill]
+    nodes: int = 3
+    steps: int = 14
+    replicas: int = 1
+    config: str = "tiny"
+    step_sleep: float = 0.05
+    job: str = "scenario"
+    timeout: float = 300.0
+    extra_args: list[str] = field(default_factory=list)
+
+    def run(self) -> ScenarioResult:
+        work = Path(self.workdir)
+        work.mkdir(parents=True, exist_ok=True)
+        faults = work / "faults"
+        faults.mkdir(exist_ok=True)
+        loss_log, digest_log = work / "loss.jsonl", work / "digest.jsonl"
+        fault_spec = ",".join(k.fault for k in self.kills if k.fault)
+        shrink = any(not k.replace for k in self.kills)
+        cluster = SimCluster(
+            work,
+            [TRAINER, "--config", self.config, "--steps", str(self.steps), "--dropout", "0.1",
+             "--job", self.job, "--replicas", str(self.replicas), "--loss-log", str(loss_log),
+             "--digest-log", str(digest_log), "--step-sleep", str(self.step_sleep), *self.extra_args],
+            nodes=self.nodes,
+            min_nodes=self.nodes - sum(1 for k in self.kills if not k.replace) if shrink else self.nodes,
+            max_nodes=self.nodes,
+            job=self.job,
+            env={"AEGIS_FAIL_AT": fault_spec, "AEGIS_FAIL_MODE": "pause", "AEGIS_FAULT_DIR": str(faults)}
+            if fault_spec else {},
+        )
+        records: list[KillRecord] = []
+        deadline = time.monotonic() + self.timeout
+        try:
+            cluster.start()
+            for kill in self.kills:
+                node, trigger = self._wait_trigger(kill, cluster, loss_log, faults, deadline)
+                survivors = [n for n in cluster.alive_nodes() if n != node]
+                old = {p for n in survivors for p in cluster.nodes[n].workers()}
+                t_kill = cluster.kill_node(node)
+                if kill.replace:
+                    cluster.add_node()
+                t_detect = wait_exited(old, max(deadline - time.monotonic(), 1))
+                committed = sorted({
+                    s.step for n in survivors
+                    for s in NodeStore(cluster.nodes[n].store_dir, self.job).steps() if s.committed
+                })
+                records.append(KillRecord(node, t_kill, t_detect, committed, trigger))
+            codes = cluster.wait(max(deadline - time.monotonic(), 1))
+        finally:
+            cluster.shutdown()
+        result = ScenarioResult(work, codes, records, read_jsonl(loss_log), read_jsonl(digest_log),
+                                read_events(work))
+        self._check(result)
+        return result
+
+    def _wait_trigger(self, kill: Kill, cluster: SimCluster, loss_log: Path, faults: Path,
+                      deadline: float) -> tuple[str, str]:
+        while time.monotonic() < deadline:
+            if kill.fault:
+                rank, step, phase = kill.fault.split(":")
+                marker = faults / f"{rank}-{'any' if step == '*' else step}-{phase}"
+                if marker.exists():
+                    try:
+                        info = json.loads(marker.read_text())
+                    except ValueError:
+                        time.sleep(0.01)
+                        continue
+                    if phase in ("complete", "replicate", "commit"):
+                        # The frozen thread is the background one; let the main threads log the
+                        # digest of the step being saved, so the check has the reference state.
+                        until = time.monotonic() + 5
+                        while time.monotonic() < until and not any(
+                            d["step"] == info["step"] and d["phase"] == "saved"
+                            for d in read_jsonl(loss_log.with_name("digest.jsonl"))
+                        ):
+                            time.sleep(0.01)
+                    return info["node"], f"rank {info['rank']} frozen at {phase} of step {info['step']}"
+            elif kill.after_step is not None:
+                losses = read_jsonl(loss_log)
+                if losses and losses[-1]["step"] >= kill.after_step:
+                    time.sleep(kill.delay)
+                    assert kill.node is not None
+                    return kill.node, f"between steps, after step {losses[-1]['step']}"
+            if not cluster.alive_nodes():
+                raise RuntimeError(f"every node exited before the kill; see {cluster.workdir}")
+            time.sleep(0.01)
+        raise TimeoutError(f"the kill trigger never happened; see {cluster.workdir}")
+
+    def _check(self, r: ScenarioResult) -> None:
+        r.checks.append((f"every agent exited 0: {r.codes}", bool(r.codes) and all(c == 0 for c in r.codes.values())))
+        r.checks.append(("training reached the last step", bool(r.losses) and r.losses[-1]["step"] == self.steps))
+        for i, k in enumerate(r.kills):
+            # the state saved at each step by the run that was interrupted (latest before the kill)
+            saved = {d["step"]: d["digest"] for d in r.digests
+                     if d["phase"] == "saved" and d["time"] < k.t_kill}
+            nxt = r.kills[i + 1].t_kill if i + 1 < len(r.kills) else float("inf")
+            restores = [e for e in r.events if e["event"] == "restore" and e.get("found")
+                        and k.t_kill < e["time"] < nxt]
+            if not restores:
+                if i + 1 < len(r.kills):
+                    continue  # the next loss came during this recovery
+                r.checks.append((f"loss {i + 1} ({k.node}): a restore happened", False))
+                continue
+            step = restores[0]["step"]
+            r.checks.append((
+                f"loss {i + 1} ({k.node}, {k.trigger}): restored step {step}, the newest committed "
+                f"on the survivors {k.committed[-3:]}",
+                bool(k.committed) and step == k.committed[-1],
+            ))
+            back = [d for d in r.digests if d["phase"] == "restored" and d["step"] == step
+                    and d["time"] > k.t_kill]
+            r.checks.append((
+                f"loss {i + 1}: restored state equals the state saved at step {step}",
+                bool(back) and saved.get(step) == back[0]["digest"],
+            ))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m aegis.sim.scenario WORKDIR``: lose node-1 after step 6, replacement joins."""
+    work = Path(argv[0] if argv else sys.argv[1] if len(sys.argv) > 1 else "/tmp/aegis-scenario")
+    res = Scenario(work, [Kill(after_step=6, node="node-1")]).run()
+    for what, ok in res.checks:
+        print(f"[{'PASS' if ok else 'FAIL'}] {what}")
+    return 0 if res.ok else 1
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())
