@@ -61,7 +61,7 @@ def test_each_shard_is_replicated_to_the_next_node_and_committed_everywhere(stor
     nodes = run_ranks(4, _replicate, str(store_dir), 2)
     assert nodes == ["node0", "node0", "node1", "node1"]
     stores = {n: NodeStore(store_dir / n, "rep") for n in ("node0", "node1")}
-    for node, store in stores.items():
+    for store in stores.values():
         infos = store.steps()
         assert [(s.step, s.committed) for s in infos] == [(3, True)], infos
         assert infos[0].shard_ranks == (0, 1, 2, 3)  # own two + two replicas
