@@ -282,12 +282,18 @@ class SnapshotEngine:
         layout = plan_layout(final.items, chunk_bytes=self.chunk_bytes)
         self._check_capacity(layout)
         plan = _Plan(fingerprint, layout, entries, planner_data)
-        # Pre-fault keep + 1 slots now, so no save pays for first-touch page faults.
+        # keep + 1 pre-faulted slots, so no later save pays for first-touch page faults: the one
+        # this save copies into now, the others in the background (queued before this save's
+        # commit, so they are ready before the next save takes a slot).
         in_use = sum(1 for _, s, _ in self._committed if s is not None)
-        while len(self._pool) + in_use < self.keep + 1:
-            self._pool.append(self._new_slot())
-        for slot in self._pool:
-            slot.ensure(layout.tensor_end)
+        with self._lock:
+            while len(self._pool) + in_use < self.keep + 1:
+                self._pool.append(self._new_slot())
+            if self._pool:
+                self._pool[-1].ensure(layout.tensor_end)
+            later = list(self._pool[:-1])
+        if later:
+            self._executor.submit(lambda: [s.ensure(layout.tensor_end) for s in later])
         return plan
 
     def _check_capacity(self, layout: ShardLayout) -> None:
@@ -326,7 +332,8 @@ class SnapshotEngine:
         return slot
 
     def _take_slot(self, step: int, layout: ShardLayout) -> Slot:
-        slot = self._pool.pop() if self._pool else self._new_slot()
+        with self._lock:
+            slot = self._pool.pop() if self._pool else self._new_slot()
         slot.ensure(layout.tensor_end)
         slot.move(self.store.shard_path(step, self.rank))
         return slot
