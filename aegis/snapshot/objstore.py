@@ -1,0 +1,220 @@
+"""Durable object stores: one small interface, chosen by URL scheme.
+
+* ``file:///path`` (the embedded default): a local directory; writes are atomic (temporary
+  file, fsync, rename) and a conditional put is an exclusive link.
+* ``s3://bucket/prefix``: any S3-compatible endpoint through boto3 (``AWS_ENDPOINT_URL`` and
+  boto3's usual configuration and credential chain); see :mod:`aegis.snapshot.s3`, the only
+  module that imports boto3.
+
+Keys are relative, ``/``-separated, and may never contain ``..`` or start with ``/``.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import os
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlparse
+
+from aegis.errors import AegisError, ConfigError
+
+__all__ = [
+    "ObjectStore",
+    "FileStore",
+    "ObjectInfo",
+    "PreconditionFailed",
+    "ObjectNotFound",
+    "StoreStats",
+    "open_store",
+    "check_key",
+]
+
+
+class PreconditionFailed(AegisError):
+    """A conditional put found the key already present."""
+
+
+class ObjectNotFound(AegisError):
+    """The key does not exist."""
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    key: str
+    size: int
+
+
+@dataclass
+class StoreStats:
+    """Counters that end up in events: requests, retries (attempts beyond the first)."""
+
+    requests: int = 0
+    retries: int = 0
+    bytes_up: int = 0
+    bytes_down: int = 0
+    retry_reasons: dict[str, int] = field(default_factory=dict)
+
+
+_KEY_RE = re.compile(r"^[A-Za-z0-9._\-]+(/[A-Za-z0-9._\-]+)*$")
+
+
+def check_key(key: str) -> str:
+    if not isinstance(key, str) or not _KEY_RE.match(key) or any(p in ("..", ".") for p in key.split("/")):
+        raise AegisError(f"invalid object key {key!r}: relative, '/'-separated, no '..'")
+    return key
+
+
+class ObjectStore(abc.ABC):
+    """put / get / get_range / list / delete. Thread-safe: the uploader calls it from threads."""
+
+    url: str
+    stats: StoreStats
+
+    @abc.abstractmethod
+    def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> None:
+        """Store ``data`` at ``key`` atomically (readers see all of it or nothing). With
+        ``if_absent`` raise :class:`PreconditionFailed` when the key exists."""
+
+    @abc.abstractmethod
+    def get(self, key: str) -> bytes:
+        """The whole object; :class:`ObjectNotFound` when missing."""
+
+    @abc.abstractmethod
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of the object."""
+
+    @abc.abstractmethod
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Every object whose key starts with ``prefix``, in key order."""
+
+    @abc.abstractmethod
+    def delete(self, keys: Iterable[str]) -> None:
+        """Delete ``keys`` (missing keys are ignored)."""
+
+    def check(self) -> None:  # noqa: B027 - optional
+        """Fail now, with a clear message, when the store is unreachable or not writable."""
+
+    def abort_stale_uploads(self, prefix: str, older_than_s: float) -> int:
+        """Abort unfinished multipart uploads under ``prefix``; return how many."""
+        return 0
+
+    def close(self) -> None:  # noqa: B027 - optional
+        pass
+
+
+class FileStore(ObjectStore):
+    """A local directory as an object store."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+        self.url = f"file://{self.root}"
+        self.stats = StoreStats()
+
+    def _path(self, key: str) -> Path:
+        return self.root / check_key(key)
+
+    def check(self) -> None:
+        try:
+            self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+            probe = self.root / f".aegis-probe-{os.getpid()}"
+            probe.write_bytes(b"ok")
+            probe.unlink()
+        except OSError as e:
+            raise ConfigError(f"durable store {self.url} is not writable: {e}") from e
+
+    def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> None:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}-{id(data)}")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            if if_absent:
+                try:
+                    os.link(tmp, path)  # atomic create-if-absent
+                except FileExistsError as e:
+                    raise PreconditionFailed(f"{self.url}/{key} already exists") from e
+            else:
+                os.replace(tmp, path)
+                tmp = None  # type: ignore[assignment]
+        finally:
+            if tmp is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+        with contextlib.suppress(OSError):
+            dfd = os.open(path.parent, os.O_RDONLY)
+            os.fsync(dfd)
+            os.close(dfd)
+        self.stats.requests += 1
+        self.stats.bytes_up += len(data)
+
+    def get(self, key: str) -> bytes:
+        try:
+            data = self._path(key).read_bytes()
+        except FileNotFoundError as e:
+            raise ObjectNotFound(f"{self.url}/{key} does not exist") from e
+        self.stats.requests += 1
+        self.stats.bytes_down += len(data)
+        return data
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        try:
+            with open(self._path(key), "rb") as f:
+                f.seek(start)
+                data = f.read(end - start)
+        except FileNotFoundError as e:
+            raise ObjectNotFound(f"{self.url}/{key} does not exist") from e
+        self.stats.requests += 1
+        self.stats.bytes_down += len(data)
+        return data
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        base = self.root
+        out = []
+        if base.is_dir():
+            for dirpath, _dirs, files in os.walk(base):
+                for name in files:
+                    if name.startswith("."):
+                        continue  # temporary files of writes in progress
+                    full = Path(dirpath) / name
+                    key = full.relative_to(base).as_posix()
+                    if key.startswith(prefix):
+                        out.append(ObjectInfo(key, full.stat().st_size))
+        self.stats.requests += 1
+        yield from sorted(out, key=lambda o: o.key)
+
+    def delete(self, keys: Iterable[str]) -> None:
+        for key in keys:
+            path = self._path(key)
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+            parent = path.parent
+            while parent != self.root:
+                try:
+                    parent.rmdir()
+                except OSError:
+                    break
+                parent = parent.parent
+            self.stats.requests += 1
+
+
+def open_store(url: str, **options: object) -> ObjectStore:
+    """The object store for ``url``: ``file:///abs/path`` or ``s3://bucket[/prefix]``."""
+    parsed = urlparse(url)
+    if parsed.scheme == "file":
+        if parsed.netloc not in ("", "localhost"):
+            raise ConfigError(f"durable url {url!r}: use file:///absolute/path")
+        return FileStore(parsed.path)
+    if parsed.scheme == "s3":
+        from aegis.snapshot.s3 import S3Store
+
+        if not parsed.netloc:
+            raise ConfigError(f"durable url {url!r}: missing bucket (s3://bucket/prefix)")
+        return S3Store(parsed.netloc, parsed.path.strip("/"), **options)  # type: ignore[arg-type]
+    raise ConfigError(f"durable url {url!r}: unsupported scheme; use file:///path or s3://bucket/prefix")
