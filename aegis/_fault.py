@@ -4,7 +4,8 @@
 environment of the training processes. Phases: ``stage`` (halfway through the blocking copy),
 ``complete`` (after the checksums, before the shard's index is written), ``replicate`` (before
 the shard is pushed to its peers), ``commit`` (on a node leader, right before its manifest is
-written), ``restore`` (after the restore decision, before any shard is fetched or loaded).
+written), ``restore`` (after the restore decision, before any shard is fetched or loaded), ``upload`` (on
+rank 0, after every chunk of a durable step is uploaded, before its manifest is put).
 
 ``AEGIS_FAIL_MODE``: ``kill`` (default: SIGKILL this process) or ``pause`` (write a marker file
 into ``AEGIS_FAULT_DIR`` and block, so that a harness can kill the whole node at exactly that
@@ -22,7 +23,7 @@ import time
 
 __all__ = ["PHASES", "fail_at", "hit"]
 
-PHASES = ("stage", "complete", "replicate", "commit", "restore")
+PHASES = ("stage", "complete", "replicate", "commit", "restore", "upload")
 
 
 def _parse(spec: str) -> list[tuple[int, int | None, str]]:

@@ -68,6 +68,10 @@ GB = 1e9
 def _trainer(argv: list[str]) -> int:
     """``_trainer DIM,LAYERS,HEADS,VOCAB,SEQ -- TRAIN_FSDP_ARGS``: train_fsdp.main with a
     ``bench`` config of that shape."""
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks of a hung worker, on demand
     spec, rest = argv[0], argv[1:]
     if rest[:1] == ["--"]:
         rest = rest[1:]

@@ -449,6 +449,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--every", type=int, default=1, help="aegis snapshot every N steps")
     p.add_argument("--keep", type=int, default=1, help="aegis in-memory snapshots to keep")
     p.add_argument("--replicas", type=int, default=1, help="aegis replicas on other nodes")
+    p.add_argument("--durable", default=None, help="aegis durable tier URL (file:// or s3://)")
+    p.add_argument("--durable-every", type=int, default=10, help="upload every N steps")
     p.add_argument(
         "--digest-log",
         default=None,
@@ -533,6 +535,8 @@ def _train(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> 
             keep=args.keep,
             replicas=args.replicas,
             store_dir=args.store_dir,
+            durable=args.durable,
+            durable_every=args.durable_every,
         )
         t0 = time.perf_counter()
         start = mgr.restore()

@@ -136,6 +136,8 @@ class SnapshotEngine:
         transport: Transport | None = None,
         on_result: Callable[[SnapshotResult], None] | None = None,
         mesh: dict[str, Any] | None = None,
+        upload_filter: Callable[[int], bool] | None = None,
+        on_commit: Callable[[Manifest], None] | None = None,
     ) -> None:
         self.store = store
         self.group = group
@@ -146,6 +148,9 @@ class SnapshotEngine:
         self.node = node
         self.on_result = on_result
         self.mesh = mesh or {}
+        self.upload_filter = upload_filter  # rank 0 decides which commits go to the durable tier
+        self.on_commit = on_commit  # every rank, for each commit chosen for upload
+        self._pinned: dict[int, int] = {}
         ids = group.all_gather((node, domain or node), "node discovery")
         self.nodes: list[str] = [n for n, _ in ids]
         self.placement = Placement.build(self.nodes, [d for _, d in ids], replicas)
@@ -388,7 +393,7 @@ class SnapshotEngine:
             if self.on_result:
                 self.on_result(result)
             raise CollectiveError(f"snapshot of step {result.step}", payload)
-        manifest: Manifest = payload
+        manifest, upload = payload
         if self.is_leader:
             _fault.hit("commit", result.step, self.rank)
             self.store.write_manifest(manifest)
@@ -400,6 +405,8 @@ class SnapshotEngine:
         with self._lock:
             self._committed.append((result.step, slot, replica_slots))
             self._evict()
+        if upload and self.on_commit is not None:
+            self.on_commit(manifest)
         result.commit_s = time.perf_counter() - tc
         result.background_s = time.perf_counter() - t0
         if self.on_result:
@@ -473,7 +480,8 @@ class SnapshotEngine:
                     held[src].append(self.nodes[holder])
         if failures:
             return ("abort", failures)
-        return ("commit", Manifest(
+        upload = bool(self.upload_filter and self.upload_filter(step))
+        return ("commit", (Manifest(
             job=self.store.job,
             step=step,
             world_size=self.world,
@@ -488,12 +496,31 @@ class SnapshotEngine:
                 "complete_replicate_s_rank0": complete_s,
             },
             created=time.time(),
-        ))
+        ), upload))
+
+    def pin(self, step: int) -> None:
+        """Keep ``step`` in the node store (beyond ``keep``) until :meth:`unpin` (an upload)."""
+        with self._lock:
+            self._pinned[step] = self._pinned.get(step, 0) + 1
+
+    def unpin(self, step: int) -> None:
+        with self._lock:
+            n = self._pinned.get(step, 0) - 1
+            if n > 0:
+                self._pinned[step] = n
+            else:
+                self._pinned.pop(step, None)
+            self._evict()
 
     def _evict(self) -> None:
-        """Keep the newest ``keep`` committed snapshots; the newest one is never evicted."""
-        while len(self._committed) > max(self.keep, 1):
-            step, slot, replica_slots = self._committed.pop(0)
+        """Keep the newest ``keep`` committed snapshots (and pinned ones); the newest committed
+        one is never evicted. Caller holds the lock."""
+        candidates = self._committed[: max(len(self._committed) - max(self.keep, 1), 0)]
+        for entry in candidates:
+            step, slot, replica_slots = entry
+            if step in self._pinned:
+                continue
+            self._committed.remove(entry)
             if self.is_leader:
                 self.store.uncommit(step)  # manifest first: a half-evicted step is never chosen
             if slot is not None:

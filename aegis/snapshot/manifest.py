@@ -71,6 +71,8 @@ class ChunkRecord:
     crc32c: int
     dtype: str = "bytes"
     codec: str = "raw"
+    stored_length: int | None = None  # durable tier: size and crc32c of the stored object
+    stored_crc32c: int | None = None
 
 
 @dataclass(frozen=True)
@@ -346,7 +348,7 @@ def _shard_to_doc(s: ShardRecord) -> dict[str, Any]:
         "size": s.size,
         "index_crc32c": s.index_crc32c,
         "replicas": list(s.replicas),
-        "chunks": [[c.offset, c.length, c.crc32c, c.dtype, c.codec] for c in s.chunks],
+        "chunks": [chunk_to_row(c) for c in s.chunks],
         "items": [item_to_doc(i) for i in s.items],
     }
 
@@ -384,16 +386,28 @@ def item_from_doc(p: _Parser, d: Any, what: str) -> ItemRecord:
     return item
 
 
+def chunk_to_row(c: ChunkRecord) -> list[Any]:
+    row: list[Any] = [c.offset, c.length, c.crc32c, c.dtype, c.codec]
+    if c.stored_length is not None:
+        row += [c.stored_length, c.stored_crc32c]
+    return row
+
+
 def chunk_from_doc(p: _Parser, c: Any, what: str) -> ChunkRecord:
     row = p.list_(c, what)
-    if len(row) != 5:
-        raise ManifestError(f"{p.where}: {what} must be [offset, length, crc32c, dtype, codec]")
+    if len(row) not in (5, 7):
+        raise ManifestError(
+            f"{p.where}: {what} must be [offset, length, crc32c, dtype, codec(, stored length, "
+            "stored crc32c)]"
+        )
     return ChunkRecord(
         offset=p.int_(row[0], f"{what}.offset"),
         length=p.int_(row[1], f"{what}.length"),
         crc32c=p.int_(row[2], f"{what}.crc32c", hi=0xFFFFFFFF),
         dtype=p.str_(row[3], f"{what}.dtype"),
         codec=p.str_(row[4], f"{what}.codec"),
+        stored_length=p.int_(row[5], f"{what}.stored_length") if len(row) == 7 else None,
+        stored_crc32c=p.int_(row[6], f"{what}.stored_crc32c", hi=0xFFFFFFFF) if len(row) == 7 else None,
     )
 
 

@@ -36,6 +36,7 @@ from aegis.snapshot.manifest import (
     _Parser,
     check_layout,
     chunk_from_doc,
+    chunk_to_row,
     dtype_name,
     item_from_doc,
     item_to_doc,
@@ -187,7 +188,7 @@ def encode_tail(index: ShardIndex) -> tuple[bytes, int]:
         "job": index.job,
         "step": index.step,
         "rank": index.rank,
-        "chunks": [[c.offset, c.length, c.crc32c, c.dtype, c.codec] for c in index.chunks],
+        "chunks": [chunk_to_row(c) for c in index.chunks],
         "items": [item_to_doc(i) for i in index.items],
     }
     body = json.dumps(doc, separators=(",", ":")).encode()

@@ -30,6 +30,16 @@ class ManagerConfig:
         ``$AEGIS_EVENTS_DIR`` or ``<store_dir>/<job>/events``.
     rng: snapshot the python, numpy, torch (and CUDA) RNG states of every rank.
     verbose: print one human line per snapshot and restore on rank 0.
+    durable: object-store URL of the durable tier (``file:///path`` or ``s3://bucket/prefix``);
+        None disables it. Checked (bucket, credentials, write access) when the Manager starts.
+    durable_every / durable_every_s: upload the committed snapshot every N steps, or when this
+        many seconds passed since the last upload began (whichever comes first).
+    durable_keep_last / durable_keep_every: retention: the last N committed durable steps and
+        every K-th step (0: none); the newest committed step is never deleted.
+    durable_codec / durable_level: ``planes`` (zstd + byte planes for floats), ``zstd`` or
+        ``raw``; zstd level.
+    durable_max_pending: uploads queued behind the running one before further ones are skipped
+        (with a warning event) instead of buffering snapshots without bound.
     """
 
     job: str
@@ -42,6 +52,14 @@ class ManagerConfig:
     events_dir: str | os.PathLike[str] | None = None
     rng: bool = True
     verbose: bool = True
+    durable: str | None = None
+    durable_every: int = 10
+    durable_every_s: float | None = None
+    durable_keep_last: int = 2
+    durable_keep_every: int = 0
+    durable_codec: str = "planes"
+    durable_level: int = 3
+    durable_max_pending: int = 2
 
     def __post_init__(self) -> None:
         check_job_name(self.job)
@@ -67,6 +85,20 @@ class ManagerConfig:
             raise ConfigError(
                 f"chunk_bytes={self.chunk_bytes!r}: must be an integer >= 4096 and a multiple of 64"
             )
+
+        if self.durable is not None and not isinstance(self.durable, str):
+            raise ConfigError(f"durable={self.durable!r}: an object-store URL string or None")
+        for name in ("durable_every", "durable_keep_last", "durable_max_pending"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{name}={v!r}: must be an integer >= 1")
+        if isinstance(self.durable_keep_every, bool) or not isinstance(self.durable_keep_every, int) \
+                or self.durable_keep_every < 0:
+            raise ConfigError(f"durable_keep_every={self.durable_keep_every!r}: an integer >= 0")
+        if self.durable_every_s is not None and not self.durable_every_s > 0:
+            raise ConfigError(f"durable_every_s={self.durable_every_s!r}: seconds > 0, or None")
+        if self.durable_codec not in ("planes", "zstd", "raw"):
+            raise ConfigError(f"durable_codec={self.durable_codec!r}: use planes, zstd or raw")
 
     @property
     def store_root(self) -> Path:

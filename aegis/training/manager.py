@@ -25,9 +25,12 @@ import torch.distributed as dist
 
 from aegis._dist import Group, new_snapshot_group, node_id
 from aegis.errors import AegisError
+from aegis.snapshot.codec import Codec
+from aegis.snapshot.durable import Uploader, UploadResult, clean_uncommitted
 from aegis.snapshot.engine import SnapshotEngine, SnapshotHandle, SnapshotResult, format_bytes
 from aegis.snapshot.manifest import Manifest
 from aegis.snapshot.node_store import NodeStore
+from aegis.snapshot.objstore import open_store
 from aegis.snapshot.transport import GlooTransport
 from aegis.training.config import ManagerConfig
 from aegis.training.events import EventLog
@@ -63,12 +66,21 @@ class Manager:
         events_dir: str | None = None,
         rng: bool = True,
         verbose: bool = True,
+        **durable: Any,
     ) -> None:
+        unknown = [k for k in durable if not k.startswith("durable")]
+        if unknown:
+            raise TypeError(f"Manager() got unexpected keyword argument(s) {unknown}")
         extra = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
         self.config = ManagerConfig(
             job=job, every=every, keep=keep, replicas=replicas, store_dir=store_dir, timeout=timeout,
-            events_dir=events_dir, rng=rng, verbose=verbose, **extra,
+            events_dir=events_dir, rng=rng, verbose=verbose, **extra, **durable,
         )
+        # The durable store is checked before anything else: a missing bucket or missing
+        # credentials must fail now, not at the first upload an hour into training.
+        self.durable_store = open_store(self.config.durable) if self.config.durable else None
+        if self.durable_store is not None:
+            self.durable_store.check()
         check_state(state)
         self.state = dict(state)
         self.node = node_id()
@@ -92,7 +104,27 @@ class Manager:
             transport=self.transport,
             on_result=self._on_snapshot,
             mesh={"world_size": self.world},
+            upload_filter=self._upload_due if self.durable_store is not None else None,
+            on_commit=self._submit_upload,
         )
+        self.uploader: Uploader | None = None
+        self._last_upload_t = time.monotonic()
+        if self.durable_store is not None:
+            if self.rank == 0:  # nothing of this job is uploading yet: finish off a crashed run's leftovers
+                dropped = clean_uncommitted(self.durable_store, job)
+                if dropped:
+                    self.events.emit("durable_cleanup", uncommitted_steps=dropped)
+            self.uploader = Uploader(
+                self.durable_store,
+                self.store,
+                Group(new_snapshot_group(max(self.config.timeout, timedelta(minutes=30)))),
+                codec=Codec(self.config.durable_codec, self.config.durable_level),
+                keep_last=self.config.durable_keep_last,
+                keep_every=self.config.durable_keep_every,
+                pin=self.engine.pin,
+                unpin=self.engine.unpin,
+                on_result=self._on_upload,
+            )
         self.last_restore: RestoreResult | None = None
         self._closed = False
         self.events.emit("start", node=self.node, world_size=self.world, pid=os.getpid(),
@@ -136,6 +168,7 @@ class Manager:
             self.store,
             self.group,
             self.transport,
+            durable=self.durable_store,
             node=self.node,
             nodes=self.engine.nodes,
             make_state=self._state_dict,
@@ -202,10 +235,16 @@ class Manager:
             return
         self._closed = True
         try:
+            self.engine.wait()  # the in-flight commit may still queue an upload
+            if self.uploader is not None:
+                self.uploader.close()
             self.engine.close()
         finally:
+            if self.durable_store is not None:
+                self.durable_store.close()
+            pgs = [self.group.pg, self.transport.pg, self.uploader.group.pg if self.uploader else None]
             if dist.is_initialized():
-                for pg in (self.group.pg, self.transport.pg):
+                for pg in pgs:
                     if pg is not None:
                         dist.destroy_process_group(pg)
 
@@ -218,6 +257,52 @@ class Manager:
     def _check_open(self) -> None:
         if self._closed:
             raise AegisError("this Manager is closed; create a new one")
+
+    # -- durable tier --------------------------------------------------------------------------
+
+    def _upload_due(self, step: int) -> bool:
+        """Rank 0, at each commit: upload this step? Broadcast with the commit decision."""
+        assert self.uploader is not None
+        due = step % self.config.durable_every == 0 or (
+            self.config.durable_every_s is not None
+            and time.monotonic() - self._last_upload_t >= self.config.durable_every_s
+        )
+        if not due:
+            return False
+        if self.uploader.pending > self.config.durable_max_pending:
+            self.events.emit("upload_skipped", step=step, pending=self.uploader.pending)
+            self.events.say(f"step {step}: durable upload skipped, {self.uploader.pending} still pending")
+            return False
+        self._last_upload_t = time.monotonic()
+        return True
+
+    def _submit_upload(self, manifest: Manifest) -> None:
+        if self.uploader is not None:
+            self.uploader.submit(manifest)
+
+    def wait_durable(self, timeout: float | None = None) -> None:
+        """Block until every queued durable upload is done; raise the last upload error."""
+        if self.uploader is not None:
+            self.uploader.wait(timeout)
+            if self.uploader.last_error is not None:
+                err, self.uploader.last_error = self.uploader.last_error, None
+                raise AegisError(f"durable upload failed: {err}") from err
+
+    def _on_upload(self, r: UploadResult) -> None:
+        self.events.emit(
+            "upload", step=r.step, committed=r.committed, raw_bytes=r.raw_bytes,
+            stored_bytes=r.stored_bytes, ratio=r.raw_bytes / r.stored_bytes if r.stored_bytes else 0.0,
+            chunks=r.chunks, seconds=r.seconds, encode_s=r.encode_s, requests=r.requests,
+            retries=r.retries, retry_reasons=r.retry_reasons, pruned=r.pruned, error=r.error,
+            store=self.durable_store.url if self.durable_store else None,
+        )
+        if r.committed:
+            self.events.say(
+                f"step {r.step}: durable upload committed ({format_bytes(r.raw_bytes)} -> "
+                f"{format_bytes(r.stored_bytes)} on rank 0, {r.seconds:.2f} s, {r.retries} retries)"
+            )
+        elif r.error:
+            self.events.say(f"step {r.step}: durable upload failed: {r.error}")
 
     # -- events --------------------------------------------------------------------------------
 

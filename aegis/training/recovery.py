@@ -35,8 +35,10 @@ from aegis import _fault, errors
 from aegis._dist import Group
 from aegis.errors import AegisError, CorruptShardError, StateMismatchError
 from aegis.snapshot.dcp_io import SafeLoadPlanner, ShardReader
+from aegis.snapshot.durable import fetch_chunks, list_steps, read_manifest
 from aegis.snapshot.manifest import ChunkRecord, Manifest
 from aegis.snapshot.node_store import NodeStore, Slot
+from aegis.snapshot.objstore import ObjectStore
 from aegis.snapshot.shard import check_blob, chunks_for_ranges, verify_chunks
 from aegis.snapshot.transport import Recv, Send, Transport
 
@@ -96,13 +98,18 @@ def _inventory(store: NodeStore) -> dict[int, _StepInv]:
     return out
 
 
-def _choose(invs: dict[str, dict[int, _StepInv]], bad: set[int]) -> tuple[int | None, list[str]]:
-    """The newest step committed on some node with every shard held by some node."""
+def _choose(invs: dict[str, dict[int, _StepInv]], bad: set[int], durable_steps: list[int]
+            ) -> tuple[int | None, list[str]]:
+    """The newest step committed on some node with every shard held by some node, or committed
+    on the durable tier, whichever is newer (memory preferred for the same step)."""
     notes = []
-    steps = sorted({s for inv in invs.values() for s, i in inv.items() if i.committed}, reverse=True)
+    steps = sorted({s for inv in invs.values() for s, i in inv.items() if i.committed}
+                   | set(durable_steps), reverse=True)
     for step in steps:
         if step in bad:
             continue
+        if step in durable_steps:
+            return step, notes
         world = next(inv[step].world_size for inv in invs.values() if step in inv and inv[step].committed)
         assert world is not None
         held = {s for inv in invs.values() if step in inv for s in inv[step].shards}
@@ -128,6 +135,7 @@ def restore_newest(
     make_state: Callable[[Manifest], dict[str, Any]],
     apply_state: Callable[[dict[str, Any], Manifest], None],
     rank_prefix: str,
+    durable: ObjectStore | None = None,
 ) -> RestoreResult | None:
     """Restore the newest complete, verified committed step; None when there is none at all."""
     t0 = time.perf_counter()
@@ -140,14 +148,18 @@ def restore_newest(
 
     # 1. inventory of every node
     local: tuple[str, Any] = ("ok", None)
-    if is_leader:
-        try:
+    durable_local: list[int] = []
+    try:
+        if is_leader:
             local = ("ok", _inventory(store))
-        except AegisError as e:  # a manifest of another job / newer format: fatal, never guessed past
-            local = ("error", (type(e).__name__, str(e)))
-    gathered = group.all_gather((node, local), "restore inventory")
+        if durable is not None and group.rank == 0:
+            durable_local = list_steps(durable, store.job)[0]
+    except AegisError as e:  # a manifest of another job / newer format: fatal, never guessed past
+        local = ("error", (type(e).__name__, str(e)))
+    gathered = group.all_gather((node, local, durable_local), "restore inventory")
     invs: dict[str, dict[int, _StepInv]] = {}
-    for n, (kind, payload) in gathered:
+    durable_steps: list[int] = gathered[0][2]
+    for n, (kind, payload), _ in gathered:
         if kind == "error":
             cls = getattr(errors, payload[0], AegisError)
             raise cls(payload[1])
@@ -159,7 +171,7 @@ def restore_newest(
     bad: set[int] = set()
     ranks_of = {n: [r for r, x in enumerate(nodes) if x == n] for n in dict.fromkeys(nodes)}
     while True:
-        step, notes = _choose(invs, bad)
+        step, notes = _choose(invs, bad, durable_steps)
         skipped.extend(x for x in notes if x not in skipped)
         if step is None:
             if skipped:
@@ -172,11 +184,25 @@ def restore_newest(
                 )
             _cleanup(store, is_leader, keep_step=None)
             return None
-        # 2. the manifest, from the first node leader that has it
-        src = min(ranks_of[n][0] for n, inv in invs.items() if step in inv and inv[step].committed)
-        manifest: Manifest = group.broadcast(
-            store.read_manifest(step) if group.rank == src else None, "restore manifest", src=src
-        )
+        # 2. the manifest: from the durable tier when it has the step (its chunk records say how
+        # each chunk is stored there), else from the first node leader that has it
+        durable_manifest: Manifest | None = None
+        if step in durable_steps:
+            outcome_d: tuple[str, Any] | None = None
+            if group.rank == 0:
+                try:
+                    outcome_d = ("ok", read_manifest(durable, store.job, step))  # type: ignore[arg-type]
+                except AegisError as e:
+                    outcome_d = ("error", (type(e).__name__, str(e)))
+            kind, payload = group.broadcast(outcome_d, "restore durable manifest")
+            if kind == "error":
+                raise getattr(errors, payload[0], AegisError)(payload[1])
+            durable_manifest = manifest = payload
+        else:
+            src = min(ranks_of[n][0] for n, inv in invs.items() if step in inv and inv[step].committed)
+            manifest = group.broadcast(
+                store.read_manifest(step) if group.rank == src else None, "restore manifest", src=src
+            )
         _fault.hit("restore", step, group.rank)
         t = lap("decide_s", t)
         # 3. what every node needs, from each rank's local DCP load plan
@@ -189,7 +215,8 @@ def restore_newest(
             for s, chunk_ids in shards.items():
                 need_by_node[n].setdefault(s, set()).update(chunk_ids)
         t = lap("plan_s", t)
-        outcome = _gather_shards(store, group, transport, manifest, node, invs, need_by_node, ranks_of)
+        outcome = _gather_shards(store, group, transport, manifest, node, invs, need_by_node, ranks_of,
+                                 durable if durable_manifest is not None else None)
         t = lap("fetch_verify_s", t)
         skipped.extend(outcome.rejected)
         if outcome.failures:
@@ -212,7 +239,9 @@ def restore_newest(
     apply_state(state_dict, manifest)
     t = lap("apply_s", t)
     group.barrier("restore done")
-    if is_leader:
+    if is_leader and durable_manifest is None and all(
+        (node, s) not in outcome.partial for s in range(manifest.world_size)
+    ) and all(store.shard_path(step, s).exists() for s in range(manifest.world_size)):
         with contextlib.suppress(FileNotFoundError):
             if not store.manifest_path(step).exists():
                 store.write_manifest(manifest)  # a replacement node now holds the step too
@@ -223,7 +252,7 @@ def restore_newest(
         origin = outcome.origin.get(s)
         sources.append({
             "shard": s,
-            "tier": "local" if origin is None else "peer",
+            "tier": "local" if origin is None else (DURABLE if origin[0] == DURABLE else "peer"),
             "node": node if origin is None else origin[0],
             "bytes_read": n,
             "read_s": round(reader.seconds_by_rank.get(s, 0.0), 6),
@@ -264,6 +293,7 @@ def _gather_shards(
     invs: dict[str, dict[int, _StepInv]],
     need_by_node: dict[str, dict[int, set[int]]],
     ranks_of: dict[str, list[int]],
+    durable: ObjectStore | None = None,
 ) -> _Outcome:
     """Make every node hold verified copies of the shards it needs (collective)."""
     step = manifest.step
@@ -307,6 +337,8 @@ def _gather_shards(
         busy: dict[str, int] = {}
         for n, s in sorted(pending):
             options = [m for m in holders(s) if m != n and m not in used.get((n, s), set())]
+            if not options and durable is not None and DURABLE not in used.get((n, s), set()):
+                options = [DURABLE]  # memory copies first, the object store last
             if not options:
                 what = "; ".join(tried.get((n, s), [])) or "no node holds it"
                 failures.append(f"step {step}: no intact copy of the shard of rank {s} for node "
@@ -321,9 +353,13 @@ def _gather_shards(
         if failures:
             out.failures = failures
             return out
-        if transport is None:
+        if transport is None and any(t[1] != DURABLE for t in transfers):
             raise AegisError("shards must be fetched from peers but no transport is configured")
-        results = _run_transfers(store, group, transport, manifest, transfers, worker)
+        peer = [t for t in transfers if t[1] != DURABLE]
+        results = _run_transfers(store, group, transport, manifest, peer, worker) if peer else []
+        for s, _src, dst, ids in transfers:
+            if _src == DURABLE and worker(dst, s) == group.rank:
+                results.append(_fetch_durable(store, durable, manifest, s, dst, ids))
         pending = set()
         for s, src, dst, err, nbytes, secs, part in (
             x for xs in group.all_gather(results, "restore fetch") for x in xs
@@ -422,6 +458,33 @@ def _run_transfers(
                 os.unlink(slot.path)
         results.append((s, src, dst, err, nbytes, secs, ids is not None))
     return results
+
+
+DURABLE = "durable"
+
+
+def _fetch_durable(store: NodeStore, durable: ObjectStore | None, manifest: Manifest, s: int,
+                   dst: str, ids: set[int] | None) -> tuple[int, str, str, str | None, int, float, bool]:
+    """Download the chunks of shard ``s`` that node ``dst`` needs into a sparse local file."""
+    assert durable is not None
+    t0 = time.perf_counter()
+    rec = manifest.shard(s)
+    wanted = set(range(len(rec.chunks))) if ids is None else ids
+    store.step_dir(manifest.step).mkdir(mode=0o700, parents=True, exist_ok=True)
+    slot = Slot(store.partial_path(manifest.step, s))
+    slot.ensure(rec.size, prefault=False)
+    err, nbytes = None, 0
+    try:
+        with slot.memory as mem:
+            nbytes = fetch_chunks(durable, store.job, manifest, s, wanted, mem)
+    except CorruptShardError as e:
+        err = str(e)
+    finally:
+        slot.close()
+    if err is not None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(slot.path)
+    return (s, DURABLE, dst, err, nbytes, time.perf_counter() - t0, True)
 
 
 def _cleanup(store: NodeStore, is_leader: bool, *, keep_step: int | None, bad: set[int] | None = None) -> None:
