@@ -20,7 +20,6 @@ def store_dir() -> Path:
 
 # -- a real S3 server on loopback (moto's server over HTTP) -------------------------------------
 
-import os  # noqa: E402
 import socket  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
