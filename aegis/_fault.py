@@ -36,9 +36,16 @@ def _parse(spec: str) -> list[tuple[int, int | None, str]]:
     return out
 
 
-_SPEC = _parse(os.environ.get("AEGIS_FAIL_AT", ""))
-_MODE = os.environ.get("AEGIS_FAIL_MODE", "kill")
-_DIR = os.environ.get("AEGIS_FAULT_DIR")
+_cache: tuple[str, list[tuple[int, int | None, str]]] = ("", [])
+
+
+def _spec() -> list[tuple[int, int | None, str]]:
+    """Read lazily: a process may set the variable after importing aegis."""
+    global _cache
+    raw = os.environ.get("AEGIS_FAIL_AT", "")
+    if raw != _cache[0]:
+        _cache = (raw, _parse(raw))
+    return _cache[1]
 
 
 def fail_at(rank: int, step: int | None, phase: str) -> str:
@@ -49,15 +56,17 @@ def fail_at(rank: int, step: int | None, phase: str) -> str:
 
 
 def hit(phase: str, step: int, rank: int) -> None:
-    if not _SPEC:
+    spec = _spec()
+    if not spec:
         return
-    for r, s, p in _SPEC:
+    for r, s, p in spec:
         if r == rank and p == phase and s in (None, step):
             break
     else:
         return
-    if _DIR:
-        marker = os.path.join(_DIR, f"{r}-{'any' if s is None else s}-{p}")
+    fault_dir = os.environ.get("AEGIS_FAULT_DIR")
+    if fault_dir:
+        marker = os.path.join(fault_dir, f"{r}-{'any' if s is None else s}-{p}")
         try:
             fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
         except FileExistsError:
@@ -66,7 +75,7 @@ def hit(phase: str, step: int, rank: int) -> None:
                 "node": os.environ.get("AEGIS_NODE_ID"), "time": time.time()}
         os.write(fd, json.dumps(info).encode())
         os.close(fd)
-    if _MODE == "pause":
+    if os.environ.get("AEGIS_FAIL_MODE", "kill") == "pause":
         while True:  # frozen here until the harness kills this node
             time.sleep(3600)
     os.kill(os.getpid(), signal.SIGKILL)
