@@ -186,8 +186,50 @@ def _step_stats(losses: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
     return out
 
 
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _spawn_time(pid: int) -> float | None:
+    """Wall-clock time at which ``pid`` was created (/proc starttime, 10 ms resolution)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            btime = next(int(x.split()[1]) for x in f if x.startswith("btime"))
+    except (FileNotFoundError, StopIteration, ValueError):
+        return None
+    return btime + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _watch_restart(cluster: Any, old: set[int], nodes: int, deadline: float
+                   ) -> tuple[float | None, dict[str, float | None]]:
+    """Poll until the survivors' old workers are gone (the detection time, as
+    aegis.sim.scenario.wait_exited) and every live node runs a new worker; returns the
+    detection time and, per node, when its first new worker process was created."""
+    t_detect: float | None = None
+    spawned: dict[str, float | None] = {}
+    while time.monotonic() < deadline:
+        if t_detect is None and not any(_running(p) for p in old):
+            t_detect = time.time()
+        for n in cluster.alive_nodes():
+            if n not in spawned:
+                new = [p for p in cluster.nodes[n].workers() if p not in old]
+                if new:
+                    spawned[n] = min((t for t in map(_spawn_time, new) if t is not None),
+                                     default=time.time())
+        if t_detect is not None and len(spawned) >= nodes:
+            break
+        time.sleep(0.01)
+    return t_detect, spawned
+
+
 def run_recovery(args: argparse.Namespace, spec: str, work: Path) -> dict[str, Any]:
-    from aegis.sim.scenario import read_events, wait_exited
+    from aegis.sim.scenario import read_events
     from aegis.snapshot.node_store import NodeStore
 
     work.mkdir(parents=True, exist_ok=True)
@@ -207,7 +249,7 @@ def run_recovery(args: argparse.Namespace, spec: str, work: Path) -> dict[str, A
         last_logged = max(r["step"] for r in _jsonl(loss_log))
         t_kill = cluster.kill_node(victim)
         replacement = cluster.add_node().node_id
-        t_detect = wait_exited(old, max(deadline - time.monotonic(), 1))
+        t_detect, spawned = _watch_restart(cluster, old, args.nodes, deadline)
         committed = sorted({s.step for n in survivors
                             for s in NodeStore(cluster.nodes[n].store_dir, job).steps()
                             if s.committed})
@@ -236,8 +278,12 @@ def run_recovery(args: argparse.Namespace, spec: str, work: Path) -> dict[str, A
         "step_stats_before_kill": _step_stats(before, args.warmup_steps),
         "losses": losses, "start_events": starts, "restore_events": restores,
     }
+    t_spawn = max((t for t in spawned.values() if t is not None), default=None)
+    res["workers_spawned"] = spawned
     phases = {"detection_s": (t_detect - t_kill) if t_detect else None}
     phases["rendezvous_and_start_s"] = t_up - (t_detect or t_kill)
+    phases["rendezvous_s"] = (t_spawn - (t_detect or t_kill)) if t_spawn else None
+    phases["worker_start_s"] = (t_up - t_spawn) if t_spawn else None
     phases["restore_s"] = t_restored - t_up
     phases["restore_event_seconds_max"] = max(e["seconds"] for e in restores)
     phases["first_step_s"] = (first["time"] - t_restored) if first else None
@@ -383,7 +429,8 @@ def _print_report(doc: dict[str, Any]) -> None:
              f"{rec['committed_on_survivors'][-3:]}"),
             ("  detection (survivors' workers exited)", f"{_f(p['detection_s'])} s"),
             ("  rendezvous + worker start (all 'start' events)",
-             f"{_f(p['rendezvous_and_start_s'])} s"),
+             f"{_f(p['rendezvous_and_start_s'])} s (rendezvous until the last new worker "
+             f"process: {_f(p['rendezvous_s'])} s; its start: {_f(p['worker_start_s'])} s)"),
             ("  restore (last start -> last restore event)",
              f"{_f(p['restore_s'])} s (event max {_f(p['restore_event_seconds_max'])} s)"),
             ("  first step (last restore -> first resumed step)",

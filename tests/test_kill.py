@@ -101,3 +101,52 @@ def test_killed_in_the_middle_of_a_save_never_restores_that_step(
     assert 6 in info and not info[6].committed and info[6].shard_ranks, info
     assert committed(store_dir) == [5]
     resume_and_check(store_dir, loss_log, log, reference, 5)
+
+
+@pytest.mark.timeout(600)
+def test_whole_job_loss_restores_from_the_durable_tier(tmp_path: Path, reference: dict[int, str]) -> None:
+    """Every simulated node SIGKILLed and its node store deleted; a new job on new nodes restores
+    the newest committed durable step bitwise and trains on with the uninterrupted run's losses."""
+    from aegis.sim.cluster import SimCluster
+    from aegis.sim.scenario import TRAINER, read_events, read_jsonl
+    from aegis.snapshot.durable import list_steps
+    from aegis.snapshot.objstore import open_store
+
+    url = f"file://{tmp_path}/durable"
+    loss_log, digest_log = tmp_path / "loss.jsonl", tmp_path / "digest.jsonl"
+    cmd = [TRAINER, *COMMON, "--durable", url, "--durable-every", "2", "--loss-log", str(loss_log),
+           "--digest-log", str(digest_log), "--step-sleep", "0.2"]
+    first = SimCluster(tmp_path / "job1", cmd, nodes=2, job="kill")
+    try:
+        first.start()
+        deadline = time.monotonic() + 240
+        while True:  # a durable step >= 6, and the trainer's digest of it (logged just after save)
+            durable = list_steps(open_store(url), "kill")[0]
+            logged = {d["step"] for d in read_jsonl(digest_log)}
+            if durable and durable[-1] >= 6 and durable[-1] in logged:
+                break
+            assert time.monotonic() < deadline and first.alive_nodes(), "no durable step 6"
+            time.sleep(0.05)
+        for node in list(first.alive_nodes()):
+            first.kill_node(node)  # agent + workers SIGKILLed, node store deleted
+        t_loss = time.time()
+    finally:
+        first.shutdown()
+    newest = list_steps(open_store(url), "kill")[0][-1]
+    assert not any(p.exists() for p in first.store_root.glob("*/kill/step-*"))
+    second = SimCluster(tmp_path / "job2", cmd, nodes=2, job="kill")
+    try:
+        second.start()
+        codes = second.wait(300)
+    finally:
+        second.shutdown()
+    assert codes and all(c == 0 for c in codes.values()), codes
+    restores = [e for e in read_events(tmp_path / "job2") if e["event"] == "restore" and e.get("found")]
+    assert restores and all(e["step"] == newest for e in restores)
+    assert {s["tier"] for e in restores for s in e["sources"]} == {"durable"}
+    saved = {d["step"]: d["digest"] for d in read_jsonl(digest_log) if d["phase"] == "saved" and d["time"] < t_loss}
+    back = [d for d in read_jsonl(digest_log) if d["phase"] == "restored" and d["time"] > t_loss]
+    assert back and back[0]["step"] == newest and back[0]["digest"] == saved[newest]
+    resumed = [r for r in losses(loss_log) if r["time"] > t_loss]
+    assert [r["step"] for r in resumed] == list(range(newest + 1, STEPS + 1))
+    assert all(r["loss_hex"] == reference[r["step"]] for r in resumed)
