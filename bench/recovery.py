@@ -71,6 +71,7 @@ def _trainer(argv: list[str]) -> int:
     import faulthandler
     import signal
 
+    t_enter = time.time()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks of a hung worker, on demand
     spec, rest = argv[0], argv[1:]
     if rest[:1] == ["--"]:
@@ -79,7 +80,25 @@ def _trainer(argv: list[str]) -> int:
     assert mod_spec is not None and mod_spec.loader is not None
     mod = importlib.util.module_from_spec(mod_spec)
     sys.modules["train_fsdp"] = mod
-    mod_spec.loader.exec_module(mod)
+    mod_spec.loader.exec_module(mod)  # imports torch
+    times_dir = os.environ.get("BENCH_TIMES_DIR")
+    if times_dir:  # where a restarted worker's start-up time goes
+        marks = {"node": os.environ.get("AEGIS_NODE_ID"), "pid": os.getpid(),
+                 "enter": t_enter, "imported": time.time()}
+        out = Path(times_dir) / f"{marks['node']}-{os.getpid()}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+
+        def mark(name: str, fn: Any) -> Any:
+            def timed(*a: Any, **k: Any) -> Any:
+                r = fn(*a, **k)
+                marks[name] = time.time()
+                out.write_text(json.dumps(marks))
+                return r
+            return timed
+
+        mod.init_distributed = mark("process_group", mod.init_distributed)
+        mod.build_model = mark("model_built", mod.build_model)
+        out.write_text(json.dumps(marks))
     dim, layers, heads, vocab, seq = (int(x) for x in spec.split(","))
     mod.CONFIGS["bench"] = mod.GPTConfig(vocab_size=vocab, dim=dim, n_layers=layers,
                                          n_heads=heads, seq_len=seq, lr=6e-4)
@@ -159,7 +178,8 @@ def _cluster(work: Path, job: str, spec: str, args: argparse.Namespace, steps: i
     cmd = [SELF, "_trainer", spec, "--", "--steps", str(steps), "--batch-size",
            str(args.batch_size), "--job", job, "--loss-log", str(work / "loss.jsonl"), *extra]
     return SimCluster(work, cmd, nodes=args.nodes, job=job,
-                      store_root=f"/dev/shm/aegis-bench-{os.getpid()}-{job}")
+                      store_root=f"/dev/shm/aegis-bench-{os.getpid()}-{job}",
+                      env={"BENCH_TIMES_DIR": str(work / "trainer-times")})
 
 
 def _wait_step(cluster: Any, loss_log: Path, step: int, deadline: float) -> None:
@@ -289,7 +309,9 @@ def run_recovery(args: argparse.Namespace, spec: str, work: Path) -> dict[str, A
     phases["first_step_s"] = (first["time"] - t_restored) if first else None
     phases["first_step_step_time_s"] = first["step_time"] if first else None
     phases["kill_to_first_step_s"] = (first["time"] - t_kill) if first else None
+    phases["first_step_save_s"] = first["save_time"] if first else None
     res["phases"] = phases
+    res["worker_start"] = _worker_start(work, t_kill, starts, spawned)
     # restore throughput
     ranks = []
     for e in sorted(restores, key=lambda e: e["rank"]):
@@ -324,6 +346,28 @@ def run_recovery(args: argparse.Namespace, spec: str, work: Path) -> dict[str, A
         "loaded_gbps": total_bytes / secs / GB if secs else None,
     }
     return res
+
+
+def _worker_start(work: Path, t_kill: float, starts: list[dict[str, Any]],
+                  spawned: dict[str, float | None]) -> dict[str, Any]:
+    """Where a restarted worker's start-up goes (per node, seconds): process spawn -> main()
+    (interpreter), -> torch + trainer imported, -> process group up (the training group's
+    rendezvous: it waits for the slowest worker), -> model built (init + fully_shard), ->
+    aegis 'start' event (optimizer, scheduler, Manager with its two gloo groups)."""
+    out: dict[str, Any] = {}
+    for f in sorted((work / "trainer-times").glob("*.json")):
+        m = json.loads(f.read_text())
+        if m["enter"] < t_kill:
+            continue
+        start = next((e["time"] for e in starts if e["_node"] == m["node"]), None)
+        spawn = spawned.get(m["node"])
+        seq = [("interpreter_s", spawn, m["enter"]), ("import_s", m["enter"], m["imported"]),
+               ("process_group_s", m["imported"], m.get("process_group")),
+               ("build_model_s", m.get("process_group"), m.get("model_built")),
+               ("optimizer_and_manager_s", m.get("model_built"), start)]
+        out[m["node"]] = {k: (b - a) if a is not None and b is not None else None
+                          for k, a, b in seq}
+    return out
 
 
 def run_throughput(args: argparse.Namespace, spec: str, work: Path, extra: list[str],
@@ -395,7 +439,7 @@ def _targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
             ratio = v / gloo if (v is not None and gloo) else None
             out.append({"target": f"{what} >= {TARGET_RESTORE_VS_GLOO}x raw gloo (median)",
                         "value": ratio,
-                        "pass": ratio is not None and ratio >= TARGET_RESTORE_VS_GLOO})
+                        "pass": None if ratio is None else ratio >= TARGET_RESTORE_VS_GLOO})
     thr = doc.get("throughput")
     if thr and thr.get("ratio") is not None:
         out.append({"target": f"steps/s with snapshots >= {TARGET_THROUGHPUT_RATIO}x without",
@@ -434,7 +478,8 @@ def _print_report(doc: dict[str, Any]) -> None:
             ("  restore (last start -> last restore event)",
              f"{_f(p['restore_s'])} s (event max {_f(p['restore_event_seconds_max'])} s)"),
             ("  first step (last restore -> first resumed step)",
-             f"{_f(p['first_step_s'])} s (its fwd+bwd+opt {_f(p['first_step_step_time_s'])} s)"),
+             f"{_f(p['first_step_s'])} s (fwd+bwd+opt {_f(p['first_step_step_time_s'])} s, "
+             f"its save {_f(p['first_step_save_s'])} s)"),
             ("kill -> first resumed step", f"{_f(p['kill_to_first_step_s'])} s"),
             ("(a) replacement: peer bytes / fetch s",
              f"{t['replacement_fetch_bytes'] / 1e6:.0f} MB / {t['replacement_fetch_s']:.2f} s = "
@@ -471,8 +516,16 @@ def _print_report(doc: dict[str, Any]) -> None:
                   + " ".join(f"{tm.get(k, 0.0):>{6 if k != 'fetch_verify_s' else 7}.2f}"
                              for k in ("inventory_s", "decide_s", "plan_s", "fetch_verify_s",
                                        "load_s", "apply_s")))
+    if rec and rec.get("worker_start"):
+        keys = ("interpreter_s", "import_s", "process_group_s", "build_model_s",
+                "optimizer_and_manager_s")
+        print("restarted workers' start-up (seconds; spawn -> aegis 'start' event):")
+        print(f"  {'node':>7} " + " ".join(f"{k[:-2]:>21}" for k in keys))
+        for node, ws in rec["worker_start"].items():
+            print(f"  {node:>7} " + " ".join(f"{_f(ws.get(k)):>21}" for k in keys))
     for t in doc["targets"]:
-        print(f"[{'PASS' if t['pass'] else 'FAIL'}] {t['target']}: {_f(t['value'])}")
+        verdict = "n/a " if t["pass"] is None else "PASS" if t["pass"] else "FAIL"
+        print(f"[{verdict}] {t['target']}: {_f(t['value'])}")
     print(f"load average (1 min): {doc['loadavg']}")
 
 

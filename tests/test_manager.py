@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from aegis import ConfigError, Manager, ModelOptimizerState
+from aegis import AegisError, ConfigError, Manager, ModelOptimizerState
 from aegis.snapshot.manifest import Manifest
 from aegis.snapshot.node_store import NodeStore
 from tests.dist_utils import run_ranks
@@ -368,6 +368,12 @@ def test_single_process_without_distributed(store_dir: Path) -> None:
     mgr2 = Manager("solo", {"m": ModelOptimizerState(model2, opt2)}, store_dir=str(store_dir), verbose=False)
     assert mgr2.restore() == 1
     assert torch.equal(model2.weight, want)
+    # Saving the restored step again would replace a committed snapshot: refused, nothing lost.
+    with pytest.raises(AegisError, match="steps must increase"):
+        mgr2.save(1)
+    store = NodeStore(store_dir, "solo")
+    for rec in store.read_manifest(1).shards:
+        store.verify_shard(1, rec)
     m = Manifest.from_json(NodeStore(store_dir, "solo").manifest_path(1).read_bytes())
     assert m.world_size == 1
     mgr2.close()

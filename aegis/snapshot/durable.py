@@ -146,6 +146,7 @@ class UploadResult:
     retries: int = 0
     retry_reasons: dict[str, int] = field(default_factory=dict)
     pruned: list[int] = field(default_factory=list)
+    prune_error: str | None = None
     error: str | None = None
 
 
@@ -221,20 +222,24 @@ class Uploader:
             manifest = self._queue.get()
             if manifest is None:
                 return
+            result = UploadResult(manifest.step, self.group.rank)
             try:
                 result = self._upload(manifest)
                 self.last_result = result
             except BaseException as e:  # noqa: BLE001 - kept for wait()/events; never silent
                 self.last_error = e
-                result = UploadResult(manifest.step, self.group.rank, error=f"{type(e).__name__}: {e}")
+                result.error = f"{type(e).__name__}: {e}"
             finally:
-                self.unpin(manifest.step)
-            if self.on_result:
-                with contextlib.suppress(Exception):
-                    self.on_result(result)
-            with self._idle:
-                self._pending -= 1
-                self._idle.notify_all()
+                try:
+                    self.unpin(manifest.step)
+                except Exception as e:  # noqa: BLE001 - the thread must live on
+                    result.error = result.error or f"releasing step {manifest.step}: {e}"
+                if self.on_result:
+                    with contextlib.suppress(Exception):
+                        self.on_result(result)
+                with self._idle:
+                    self._pending -= 1
+                    self._idle.notify_all()
 
     def _upload(self, manifest: Manifest) -> UploadResult:
         t0 = time.perf_counter()
@@ -243,31 +248,51 @@ class Uploader:
         result = UploadResult(step, rank)
         before = dataclasses.replace(self.store.stats, retry_reasons=dict(self.store.stats.retry_reasons))
         record = manifest.shard(rank)
+        # A step already committed on the durable tier is never overwritten (its chunks would
+        # no longer match its manifest): rank 0 looks, everyone hears.
+        exists: bool | None = None
+        if rank == 0:
+            try:
+                self.store.get_range(manifest_key(self.job, step), 0, 1)
+                exists = True
+            except ObjectNotFound:
+                exists = False
+            except Exception:  # noqa: BLE001 - unknown: upload, the conditional put decides
+                exists = False
+        if self.group.broadcast(exists, "durable exists"):
+            result.error = f"step {step} is already committed on {self.store.url}; not uploaded again"
+            return result
         chunks: list[ChunkRecord] | None = None
         err: str | None = None
         try:
             chunks = self._upload_shard(step, rank, record.chunks, result)
         except Exception as e:  # noqa: BLE001 - reported to rank 0, then raised
             err = f"{type(e).__name__}: {e}"
-        reports = self.group.gather((chunks, err), "durable gather")
+        reports = self.group.gather((step, chunks, err), "durable gather")
         outcome: tuple[bool, str] | None = None
         if rank == 0:
             assert reports is not None
-            failures = {r: e for r, (_, e) in enumerate(reports) if e is not None}
+            failures = {r: e for r, (_, _, e) in enumerate(reports) if e is not None}
+            failures.update({r: f"uploaded step {s}, not {step}" for r, (s, _, _) in enumerate(reports)
+                             if s != step})
             if failures:
                 outcome = (False, "; ".join(f"rank {r}: {e}" for r, e in sorted(failures.items())))
             else:
                 try:
                     durable = dataclasses.replace(manifest, shards=tuple(
-                        dataclasses.replace(s, chunks=tuple(reports[s.rank][0] or ()), replicas=())
+                        dataclasses.replace(s, chunks=tuple(reports[s.rank][1] or ()), replicas=())
                         for s in manifest.shards
                     ))
                     _fault.hit("upload", step, rank)
                     self._commit(durable)
-                    result.pruned = prune(self.store, self.job, self.keep_last, self.keep_every)
                     outcome = (True, "")
                 except Exception as e:  # noqa: BLE001 - sent to every rank
                     outcome = (False, f"rank 0 commit: {type(e).__name__}: {e}")
+                if outcome[0]:
+                    try:  # retention problems never turn a committed upload into a failed one
+                        result.pruned = prune(self.store, self.job, self.keep_last, self.keep_every)
+                    except Exception as e:  # noqa: BLE001
+                        result.prune_error = f"{type(e).__name__}: {e}"
         ok, message = self.group.broadcast(outcome, "durable commit")
         stats = self.store.stats
         result.requests = stats.requests - before.requests

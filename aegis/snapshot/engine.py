@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -138,6 +139,7 @@ class SnapshotEngine:
         mesh: dict[str, Any] | None = None,
         upload_filter: Callable[[int], bool] | None = None,
         on_commit: Callable[[Manifest], None] | None = None,
+        extra_snapshots: int = 0,
     ) -> None:
         self.store = store
         self.group = group
@@ -148,6 +150,7 @@ class SnapshotEngine:
         self.node = node
         self.on_result = on_result
         self.mesh = mesh or {}
+        self.extra_snapshots = extra_snapshots  # snapshots that uploads may hold beyond keep
         self.upload_filter = upload_filter  # rank 0 decides which commits go to the durable tier
         self.on_commit = on_commit  # every rank, for each commit chosen for upload
         self._pinned: dict[int, int] = {}
@@ -162,6 +165,12 @@ class SnapshotEngine:
         self.is_leader = self.nodes.index(node) == self.rank  # first rank of this node
         self.local_world = self.nodes.count(node)
         store.create()
+        if self.is_leader:  # free slots of ranks no longer on this node (renumbered on restart)
+            local = {r for r, n in enumerate(self.nodes) if n == node}
+            for f in store.slots_dir.iterdir():
+                with contextlib.suppress(ValueError, OSError):
+                    if int(f.name.split("-", 1)[1].split(".", 1)[0]) not in local:
+                        f.unlink()
         self._planner = DefaultSavePlanner()
         self._plan: _Plan | None = None
         self._pool: list[Slot] = [Slot(p) for p in store.free_slots(self.rank)]
@@ -171,9 +180,10 @@ class SnapshotEngine:
         )
         # (step, own slot or None for a step found on restore, replica slots), oldest first
         self._committed: list[tuple[int, Slot | None, list[Slot]]] = []
-        self._inflight: tuple[SnapshotHandle, Slot] | None = None
+        self._inflight: tuple[SnapshotHandle, Slot | None] | None = None
+        self.last_step = -1  # newest step saved or restored: save() must go beyond it
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"aegis-snap-r{self.rank}")
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # pools, slot names, committed list, pins
         self._closed = False
 
     # -- public --------------------------------------------------------------------------------
@@ -186,6 +196,7 @@ class SnapshotEngine:
         """Steps already committed in the store (found on restore); they count toward ``keep``
         and are evicted (leader removes the directory) like any other."""
         self._committed = [(s, None, []) for s in sorted(steps)]
+        self.last_step = max(steps, default=-1)
 
     def save(self, step: int, state_dict: dict[str, Any] | Callable[[], dict[str, Any]]) -> SnapshotHandle:
         """Snapshot ``state_dict`` as ``step``. Collective; blocks only for the copy.
@@ -195,6 +206,12 @@ class SnapshotEngine:
         """
         if self._closed:
             raise AegisError("save() after close(): create a new Manager")
+        if step <= self.last_step:
+            # Same answer on every rank (the last step is common knowledge), so no rank waits.
+            raise AegisError(
+                f"save({step}): step {self.last_step} is already snapshotted or restored; steps must "
+                "increase (saving a step again would replace a committed snapshot)"
+            )
         t0 = time.perf_counter()
         self.wait()  # double buffer: at most one snapshot in flight; raises its error
         wait_s = time.perf_counter() - t0
@@ -216,12 +233,14 @@ class SnapshotEngine:
             self._plan = self._make_plan(planner, fingerprint)
             plan_s = time.perf_counter() - tp
         assert self._plan is not None
-        slot = self._take_slot(step, self._plan.layout)
+        self.last_step = step
         result = SnapshotResult(step=step, rank=self.rank, node=self.node, wait_s=wait_s, plan_s=plan_s,
                                 tensor_bytes=self._plan.layout.tensor_bytes)
+        slot: Slot | None = None
         staged: StagedShard | None = None
         error: BaseException | None = None
         try:
+            slot = self._take_slot(step, self._plan.layout)
             staged = stage(step, self.rank, self._plan.layout, slot, planner)
             result.copy_s = staged.copy_s
         except Exception as e:  # noqa: BLE001 - every rank must still take part in the commit
@@ -305,7 +324,7 @@ class SnapshotEngine:
         """Fail before the first save if this node's store cannot hold keep + 1 snapshots."""
         per_shard = layout.tensor_end + _TAIL_ALLOWANCE
         # own shard + the replicas this rank receives, for keep + 1 snapshots
-        need = (self.keep + 1) * per_shard * (1 + len(self.sources))
+        need = (self.keep + 1 + self.extra_snapshots) * per_shard * (1 + len(self.sources))
         reusable = sum(os.path.getsize(s.path) for s in self._pool if s.path.exists())
         reports = self.group.all_gather(
             (self.node, need, reusable, self.store.free_bytes()), "capacity check"
@@ -318,7 +337,7 @@ class SnapshotEngine:
             if node_need > node_have:
                 short.append(
                     f"the node store on node {node!r} needs {format_bytes(node_need)} ({self.keep} "
-                    f"kept + 1 in flight, {len(mine)} local rank(s), "
+                    f"kept + 1 in flight + {self.extra_snapshots} held for uploads, {len(mine)} local rank(s), "
                     f"{self.placement.effective_replicas} replica(s), about "
                     f"{format_bytes(per_shard)} per shard here) but has {format_bytes(node_have)} free"
                 )
@@ -331,10 +350,14 @@ class SnapshotEngine:
 
     # -- slots ---------------------------------------------------------------------------------
 
+    def _slot_name(self, kind: str) -> Path:
+        with self._lock:
+            k = self._next_slot
+            self._next_slot += 1
+        return self.store.slot_path(self.rank, k, kind)
+
     def _new_slot(self) -> Slot:
-        slot = Slot(self.store.slot_path(self.rank, self._next_slot))
-        self._next_slot += 1
-        return slot
+        return Slot(self._slot_name("rank"))
 
     def _take_slot(self, step: int, layout: ShardLayout) -> Slot:
         with self._lock:
@@ -344,25 +367,27 @@ class SnapshotEngine:
         return slot
 
     def _release_slot(self, slot: Slot, kind: str = "rank") -> None:
-        slot.move(self.store.slot_path(self.rank, self._next_slot, kind))
-        self._next_slot += 1
-        (self._replica_pool if kind == "replica" else self._pool).append(slot)
+        with self._lock:
+            slot.move(self._slot_name(kind))
+            (self._replica_pool if kind == "replica" else self._pool).append(slot)
 
     def _replica_slot(self, step: int, src: int, size: int) -> Slot:
-        slot = self._replica_pool.pop() if self._replica_pool else Slot(
-            self.store.slot_path(self.rank, self._next_slot, "replica"))
-        self._next_slot += 1
+        with self._lock:
+            slot = self._replica_pool.pop() if self._replica_pool else Slot(self._slot_name("replica"))
         slot.ensure(size)
         slot.move(self.store.shard_path(step, src))
         return slot
 
     # -- background ----------------------------------------------------------------------------
 
-    def _finish(self, result: SnapshotResult, slot: Slot, staged: StagedShard | None,
+    def _finish(self, result: SnapshotResult, slot: Slot | None, staged: StagedShard | None,
                 error: BaseException | None) -> SnapshotResult:
         """Background, every rank: checksum + index, replicate, then the commit protocol:
         gather shard and replica reports on rank 0 -> broadcast the manifest (or an abort) ->
-        node leaders write it -> barrier -> evict."""
+        node leaders write it -> all-gather the writes -> evict.
+
+        Every rank runs every collective of this protocol exactly once whatever fails locally:
+        local failures travel in the reports, and the abort is decided for everyone."""
         t0 = time.perf_counter()
         record: ShardRecord | None = None
         err = f"{type(error).__name__}: {error}" if error is not None else None
@@ -373,7 +398,13 @@ class SnapshotEngine:
             except Exception as e:  # noqa: BLE001 - reported to rank 0
                 err = f"{type(e).__name__}: {e}"
         tr = time.perf_counter()
-        received, replica_slots = self._replicate(result.step, slot, staged if err is None else None)
+        received: list[tuple[int, int | None, str | None]] = []
+        replica_slots: list[Slot] = []
+        try:
+            received, replica_slots = self._replicate(
+                result.step, slot, staged if err is None and slot is not None else None)
+        except Exception as e:  # noqa: BLE001 - a peer that stopped answering: abort for everyone
+            err = err or f"replication: {type(e).__name__}: {e}"
         result.replicate_s = time.perf_counter() - tr
         result.replica_bytes = sum(s.capacity for s in replica_slots)
         tc = time.perf_counter()
@@ -383,37 +414,69 @@ class SnapshotEngine:
         decision: tuple[str, Any] | None = None
         if self.rank == 0:
             assert reports is not None
-            decision = self._decide_commit(result.step, reports, tc - t0)
+            try:
+                decision = self._decide_commit(result.step, reports, tc - t0)
+            except Exception as e:  # noqa: BLE001 - every rank must hear the outcome
+                decision = ("abort", {0: f"commit decision: {type(e).__name__}: {e}"})
         kind, payload = self.group.broadcast(decision, "commit broadcast")
+        if kind == "commit":
+            manifest, upload = payload
+            write_err = None
+            if self.is_leader:
+                try:
+                    _fault.hit("commit", result.step, self.rank)
+                    self.store.write_manifest(manifest)
+                except Exception as e:  # noqa: BLE001 - e.g. a full tmpfs
+                    write_err = f"writing the manifest on node {self.node!r}: {type(e).__name__}: {e}"
+            # Evict nothing until every node holds the new manifest: a leader dying (or failing)
+            # before its write must leave the previous snapshot complete everywhere.
+            writes = self.group.all_gather(write_err, "commit acknowledge")
+            failed = {r: w for r, w in enumerate(writes) if w is not None}
+            if failed:
+                if self.is_leader:
+                    self.store.uncommit(result.step)
+                kind, payload = "abort", failed
         if kind == "abort":
-            self._release_slot(slot)
-            for rs in replica_slots:
-                self._release_slot(rs, "replica")
+            self._discard(result.step, slot, replica_slots)
             result.error = str(CollectiveError(f"snapshot of step {result.step}", payload))
-            if self.on_result:
-                self.on_result(result)
+            self._report(result)
             raise CollectiveError(f"snapshot of step {result.step}", payload)
-        manifest, upload = payload
-        if self.is_leader:
-            _fault.hit("commit", result.step, self.rank)
-            self.store.write_manifest(manifest)
-        # Evict nothing until every node holds the new manifest: a leader dying before its
-        # write must leave the previous snapshot complete everywhere.
-        self.group.barrier("commit acknowledge")
         result.committed = True
         result.snapshot_bytes = manifest.total_bytes
+        assert slot is not None
+        # Past the last collective: nothing below may raise on one rank only.
         with self._lock:
             self._committed.append((result.step, slot, replica_slots))
-            self._evict()
         if upload and self.on_commit is not None:
-            self.on_commit(manifest)
+            try:
+                self.on_commit(manifest)
+            except Exception as e:  # noqa: BLE001 - reported as an event, not raised on one rank
+                result.error = f"queueing the durable upload failed: {type(e).__name__}: {e}"
+        with self._lock:
+            try:
+                self._evict()
+            except Exception as e:  # noqa: BLE001
+                result.error = f"eviction failed: {type(e).__name__}: {e}"
         result.commit_s = time.perf_counter() - tc
         result.background_s = time.perf_counter() - t0
-        if self.on_result:
-            self.on_result(result)
+        self._report(result)
         return result
 
-    def _replicate(self, step: int, slot: Slot, staged: StagedShard | None
+    def _report(self, result: SnapshotResult) -> None:
+        if self.on_result is not None:
+            with contextlib.suppress(Exception):  # events must never break the commit protocol
+                self.on_result(result)
+
+    def _discard(self, step: int, slot: Slot | None, replica_slots: list[Slot]) -> None:
+        """An aborted step: its files go back to the pools (never left in the step directory)."""
+        with contextlib.suppress(Exception):
+            if slot is not None:
+                self._release_slot(slot)
+            for rs in replica_slots:
+                self._release_slot(rs, "replica")
+            self.store._rmdir_if_empty(step)
+
+    def _replicate(self, step: int, slot: Slot | None, staged: StagedShard | None
                    ) -> tuple[list[tuple[int, int | None, str | None]], list[Slot]]:
         """Push this rank's shard to its targets; receive and verify the shards of its sources.
 
@@ -425,7 +488,7 @@ class SnapshotEngine:
             return [], []
         assert self.transport is not None
         parts: list[torch.Tensor] = []
-        if staged is not None:
+        if staged is not None and slot is not None:
             parts = [slot.view[: staged.layout.tensor_end],
                      torch.frombuffer(bytearray(staged.tail), dtype=torch.uint8)]
         slots: dict[int, Slot] = {}
@@ -444,7 +507,11 @@ class SnapshotEngine:
         sends = [Send(t, parts) for t in self.targets]
         recvs = [Recv(s, alloc(s)) for s in self.sources]
         _fault.hit("replicate", step, self.rank)
-        self.transport.exchange(sends, recvs)
+        try:
+            self.transport.exchange(sends, recvs)
+        except BaseException:
+            self._discard(step, None, list(slots.values()))
+            raise
         received: list[tuple[int, int | None, str | None]] = []
         for src in self.sources:
             rs = slots.get(src)

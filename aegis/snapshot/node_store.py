@@ -14,6 +14,7 @@ a save copies into memory that already exists. Only this module touches paths.
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
 import re
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from aegis.errors import ConfigError, CorruptShardError, ManifestError
+from aegis.errors import ConfigError, CorruptShardError, ManifestError, StoreFullError
 from aegis.snapshot.manifest import Manifest, ShardRecord
 from aegis.snapshot.shard import (
     FOOTER_SIZE,
@@ -109,7 +110,11 @@ class NodeStore:
                 continue
             ranks = []
             committed = False
-            for f in os.scandir(entry.path):
+            try:
+                files = list(os.scandir(entry.path))
+            except FileNotFoundError:  # removed by another rank's cleanup meanwhile
+                continue
+            for f in files:
                 if f.name == MANIFEST:
                     committed = True
                 elif sm := _SHARD_RE.match(f.name):
@@ -257,8 +262,16 @@ class Slot:
         os.ftruncate(self.fd, cap)
         flags = mmap.MAP_SHARED
         if prefault:
-            with contextlib.suppress(OSError):  # tmpfs allocates (and zeroes) the pages here
+            try:  # tmpfs allocates (and zeroes) the pages here
                 os.posix_fallocate(self.fd, 0, cap)
+            except OSError as e:
+                if e.errno == errno.ENOSPC:
+                    os.ftruncate(self.fd, 0)
+                    raise StoreFullError(
+                        f"node store full: cannot allocate {cap} bytes for {self.path}; free space on "
+                        "its tmpfs, lower keep, or point AEGIS_STORE_DIR at a larger tmpfs"
+                    ) from e
+                # EOPNOTSUPP/EINVAL: no fallocate here; pages are faulted on first touch
             flags |= getattr(mmap, "MAP_POPULATE", 0)
         self._map = mmap.mmap(self.fd, cap, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         self.capacity = cap

@@ -76,15 +76,15 @@ class Manager:
             job=job, every=every, keep=keep, replicas=replicas, store_dir=store_dir, timeout=timeout,
             events_dir=events_dir, rng=rng, verbose=verbose, **extra, **durable,
         )
-        # The durable store is checked before anything else: a missing bucket or missing
-        # credentials must fail now, not at the first upload an hour into training.
-        self.durable_store = open_store(self.config.durable) if self.config.durable else None
-        if self.durable_store is not None:
-            self.durable_store.check()
         check_state(state)
         self.state = dict(state)
         self.node = node_id()
+        self.durable_store = open_store(self.config.durable) if self.config.durable else None
         self.group = Group(new_snapshot_group(self.config.timeout))
+        if self.durable_store is not None:
+            # Checked before anything else, on every rank together: a missing bucket or missing
+            # credentials must fail now, not at the first upload an hour into training.
+            self.group.run_all("durable store check", self._check_durable)
         # Shard transfers get a group of their own, so a long transfer never sits between the
         # small commit collectives.
         self.transport = GlooTransport(new_snapshot_group(self.config.timeout), self.config.timeout)
@@ -106,14 +106,13 @@ class Manager:
             mesh={"world_size": self.world},
             upload_filter=self._upload_due if self.durable_store is not None else None,
             on_commit=self._submit_upload,
+            extra_snapshots=self.config.durable_max_pending + 1 if self.durable_store else 0,
         )
         self.uploader: Uploader | None = None
         self._last_upload_t = time.monotonic()
         if self.durable_store is not None:
-            if self.rank == 0:  # nothing of this job is uploading yet: finish off a crashed run's leftovers
-                dropped = clean_uncommitted(self.durable_store, job)
-                if dropped:
-                    self.events.emit("durable_cleanup", uncommitted_steps=dropped)
+            if self._dropped:
+                self.events.emit("durable_cleanup", uncommitted_steps=self._dropped)
             self.uploader = Uploader(
                 self.durable_store,
                 self.store,
@@ -214,8 +213,10 @@ class Manager:
     def save(self, step: int) -> SnapshotHandle | None:
         """Snapshot the state as ``step`` if ``step % every == 0``. Collective.
 
-        Blocks while this rank's shard is copied into host memory; checksums and the commit run
-        in the background. Raises the error of the previous snapshot, if it failed.
+        Blocks while this rank's shard is copied into host memory; checksums, replication and
+        the commit run in the background. Raises the error of the previous snapshot if it failed
+        (on every rank: the commit is decided for all), and refuses a step that is not newer
+        than the last one saved or restored.
         """
         self._check_open()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -235,10 +236,14 @@ class Manager:
             return
         self._closed = True
         try:
-            self.engine.wait()  # the in-flight commit may still queue an upload
-            if self.uploader is not None:
-                self.uploader.close()
-            self.engine.close()
+            try:
+                self.engine.wait()  # the in-flight commit may still queue an upload
+            finally:
+                try:
+                    if self.uploader is not None:
+                        self.uploader.close()
+                finally:
+                    self.engine.close()
         finally:
             if self.durable_store is not None:
                 self.durable_store.close()
@@ -259,6 +264,14 @@ class Manager:
             raise AegisError("this Manager is closed; create a new one")
 
     # -- durable tier --------------------------------------------------------------------------
+
+    _dropped: list[int] = []
+
+    def _check_durable(self) -> None:
+        assert self.durable_store is not None
+        self.durable_store.check()
+        if self.rank == 0:  # nothing of this job uploads yet: drop a crashed run's half-uploaded steps
+            self._dropped = clean_uncommitted(self.durable_store, self.config.job)
 
     def _upload_due(self, step: int) -> bool:
         """Rank 0, at each commit: upload this step? Broadcast with the commit decision."""
@@ -293,7 +306,8 @@ class Manager:
             "upload", step=r.step, committed=r.committed, raw_bytes=r.raw_bytes,
             stored_bytes=r.stored_bytes, ratio=r.raw_bytes / r.stored_bytes if r.stored_bytes else 0.0,
             chunks=r.chunks, seconds=r.seconds, encode_s=r.encode_s, requests=r.requests,
-            retries=r.retries, retry_reasons=r.retry_reasons, pruned=r.pruned, error=r.error,
+            retries=r.retries, retry_reasons=r.retry_reasons, pruned=r.pruned,
+            prune_error=r.prune_error, error=r.error,
             store=self.durable_store.url if self.durable_store else None,
         )
         if r.committed:

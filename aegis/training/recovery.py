@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from aegis import _fault, errors
 from aegis._dist import Group
-from aegis.errors import AegisError, CorruptShardError, StateMismatchError
+from aegis.errors import AegisError, CorruptShardError, ManifestError, StateMismatchError
 from aegis.snapshot.dcp_io import SafeLoadPlanner, ShardReader
 from aegis.snapshot.durable import fetch_chunks, list_steps, read_manifest
 from aegis.snapshot.manifest import ChunkRecord, Manifest
@@ -149,16 +149,20 @@ def restore_newest(
     # 1. inventory of every node
     local: tuple[str, Any] = ("ok", None)
     durable_local: list[int] = []
+    durable_note: str | None = None
     try:
         if is_leader:
             local = ("ok", _inventory(store))
-        if durable is not None and group.rank == 0:
-            durable_local = list_steps(durable, store.job)[0]
     except AegisError as e:  # a manifest of another job / newer format: fatal, never guessed past
         local = ("error", (type(e).__name__, str(e)))
-    gathered = group.all_gather((node, local, durable_local), "restore inventory")
+    if durable is not None and group.rank == 0:
+        try:
+            durable_local = list_steps(durable, store.job)[0]
+        except Exception as e:  # noqa: BLE001 - an unreachable object store must not block memory
+            durable_note = f"durable tier {durable.url} not listed: {type(e).__name__}: {e}"
+    gathered = group.all_gather((node, local, (durable_local, durable_note)), "restore inventory")
     invs: dict[str, dict[int, _StepInv]] = {}
-    durable_steps: list[int] = gathered[0][2]
+    durable_steps, note = gathered[0][2]
     for n, (kind, payload), _ in gathered:
         if kind == "error":
             cls = getattr(errors, payload[0], AegisError)
@@ -167,7 +171,7 @@ def restore_newest(
             invs[n] = payload
     t = lap("inventory_s", t0)
 
-    skipped: list[str] = []
+    skipped: list[str] = [note] if note else []
     bad: set[int] = set()
     ranks_of = {n: [r for r, x in enumerate(nodes) if x == n] for n in dict.fromkeys(nodes)}
     while True:
@@ -192,11 +196,17 @@ def restore_newest(
             if group.rank == 0:
                 try:
                     outcome_d = ("ok", read_manifest(durable, store.job, step))  # type: ignore[arg-type]
-                except AegisError as e:
+                except ManifestError as e:  # another job's, a newer format: fatal, never guessed past
                     outcome_d = ("error", (type(e).__name__, str(e)))
+                except Exception as e:  # noqa: BLE001 - unreadable now: try an older step
+                    outcome_d = ("skip", f"step {step}: durable manifest unreadable: {type(e).__name__}: {e}")
             kind, payload = group.broadcast(outcome_d, "restore durable manifest")
             if kind == "error":
                 raise getattr(errors, payload[0], AegisError)(payload[1])
+            if kind == "skip":
+                skipped.append(payload)
+                bad.add(step)
+                continue
             durable_manifest = manifest = payload
         else:
             src = min(ranks_of[n][0] for n, inv in invs.items() if step in inv and inv[step].committed)
@@ -209,9 +219,10 @@ def restore_newest(
         state_dict = make_state(manifest)
         group.run_all("restore key check", lambda sd=state_dict, m=manifest: check_keys(
             sd, m, ignore_prefix=rank_prefix))
-        needed = _needed_chunks(state_dict, manifest, group.rank == 0)
+        needs = group.run_all("restore plan", lambda sd=state_dict, m=manifest: (
+            node, _needed_chunks(sd, m, group.rank == 0)))
         need_by_node: dict[str, dict[int, set[int]]] = {n: {} for n in ranks_of}
-        for n, shards in group.all_gather((node, needed), "restore needs"):
+        for n, shards in needs:
             for s, chunk_ids in shards.items():
                 need_by_node[n].setdefault(s, set()).update(chunk_ids)
         t = lap("plan_s", t)
@@ -238,7 +249,6 @@ def restore_newest(
     t = lap("load_s", t)
     apply_state(state_dict, manifest)
     t = lap("apply_s", t)
-    group.barrier("restore done")
     if is_leader and durable_manifest is None and all(
         (node, s) not in outcome.partial for s in range(manifest.world_size)
     ) and all(store.shard_path(step, s).exists() for s in range(manifest.world_size)):
@@ -246,6 +256,7 @@ def restore_newest(
             if not store.manifest_path(step).exists():
                 store.write_manifest(manifest)  # a replacement node now holds the step too
     _cleanup(store, is_leader, keep_step=step, bad=bad)
+    group.barrier("restore done")  # after every leader's cleanup: ranks then list a settled store
     timings["total_s"] = time.perf_counter() - t0
     sources = []
     for s, n in sorted(reader.bytes_by_rank.items()):
@@ -313,7 +324,7 @@ def _gather_shards(
                 try:
                     store.verify_shard(step, manifest.shard(s), shards[s])
                     mine.append((n, s, None))
-                except CorruptShardError as e:
+                except Exception as e:  # noqa: BLE001 - reported to every rank, never raised alone
                     mine.append((n, s, str(e)))
     verdicts = [v for vs in group.all_gather(mine, "restore verify") for v in vs]
     pending: set[tuple[str, int]] = {
@@ -428,6 +439,12 @@ def _run_transfers(
                 recvs.append(Recv(sender, lambda sizes, v=slot.view[a:b]: [v]))
     try:
         transport.exchange(sends, recvs)
+    except BaseException:
+        for slot, *_ in incoming.values():
+            slot.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(slot.path)
+        raise
     finally:
         for m in opened:
             with contextlib.suppress(BufferError):
@@ -477,8 +494,8 @@ def _fetch_durable(store: NodeStore, durable: ObjectStore | None, manifest: Mani
     try:
         with slot.memory as mem:
             nbytes = fetch_chunks(durable, store.job, manifest, s, wanted, mem)
-    except CorruptShardError as e:
-        err = str(e)
+    except Exception as e:  # noqa: BLE001 - an unreachable store too: reported, never raised alone
+        err = str(e) if isinstance(e, CorruptShardError) else f"{type(e).__name__}: {e}"
     finally:
         slot.close()
     if err is not None:
