@@ -46,6 +46,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -88,15 +89,17 @@ def _trainer(argv: list[str]) -> int:
         out = Path(times_dir) / f"{marks['node']}-{os.getpid()}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
 
-        def mark(name: str, fn: Any) -> Any:
+        def mark(name: str, fn: Any, enter: str | None = None) -> Any:
             def timed(*a: Any, **k: Any) -> Any:
+                if enter:
+                    marks[enter] = time.time()
                 r = fn(*a, **k)
                 marks[name] = time.time()
                 out.write_text(json.dumps(marks))
                 return r
             return timed
 
-        mod.init_distributed = mark("process_group", mod.init_distributed)
+        mod.init_distributed = mark("process_group", mod.init_distributed, "main_setup")
         mod.build_model = mark("model_built", mod.build_model)
         out.write_text(json.dumps(marks))
     dim, layers, heads, vocab, seq = (int(x) for x in spec.split(","))
@@ -351,8 +354,9 @@ def run_recovery(args: argparse.Namespace, spec: str, work: Path) -> dict[str, A
 def _worker_start(work: Path, t_kill: float, starts: list[dict[str, Any]],
                   spawned: dict[str, float | None]) -> dict[str, Any]:
     """Where a restarted worker's start-up goes (per node, seconds): process spawn -> main()
-    (interpreter), -> torch + trainer imported, -> process group up (the training group's
-    rendezvous: it waits for the slowest worker), -> model built (init + fully_shard), ->
+    (interpreter), -> torch + trainer imported, -> the trainer's main() set-up (its
+    torch.use_deterministic_algorithms imports torch._dynamo/_inductor), -> process group up
+    (waits for the slowest worker), -> model built (init + fully_shard), ->
     aegis 'start' event (optimizer, scheduler, Manager with its two gloo groups)."""
     out: dict[str, Any] = {}
     for f in sorted((work / "trainer-times").glob("*.json")):
@@ -362,7 +366,8 @@ def _worker_start(work: Path, t_kill: float, starts: list[dict[str, Any]],
         start = next((e["time"] for e in starts if e["_node"] == m["node"]), None)
         spawn = spawned.get(m["node"])
         seq = [("interpreter_s", spawn, m["enter"]), ("import_s", m["enter"], m["imported"]),
-               ("process_group_s", m["imported"], m.get("process_group")),
+               ("main_setup_s", m["imported"], m.get("main_setup")),
+               ("process_group_s", m.get("main_setup"), m.get("process_group")),
                ("build_model_s", m.get("process_group"), m.get("model_built")),
                ("optimizer_and_manager_s", m.get("model_built"), start)]
         out[m["node"]] = {k: (b - a) if a is not None and b is not None else None
@@ -398,6 +403,85 @@ def _read_events(work: Path) -> list[dict[str, Any]]:
 
 
 # -- report ------------------------------------------------------------------------------------
+
+
+class ForeignCpu:
+    """Samples, every ``interval`` s, the CPU time used by processes that are not this one or
+    its descendants (other people's jobs on the machine), so each phase can say how much
+    noise it had. A lower bound: a foreign process's last interval before it exits is lost."""
+
+    def __init__(self, interval: float = 0.5) -> None:
+        self.me = os.getpid()
+        self.interval = interval
+        self.tick = os.sysconf("SC_CLK_TCK")
+        self.total = 0.0  # foreign CPU seconds since start
+        self.by_cmd: dict[str, float] = {}
+        self._prev: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._sample(count=False)
+        self._thread = threading.Thread(target=self._run, name="foreign-cpu", daemon=True)
+        self._thread.start()
+
+    def _sample(self, count: bool = True) -> None:
+        procs: dict[int, tuple[int, int]] = {}
+        for d in os.listdir("/proc"):
+            if not d.isdigit():
+                continue
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    f_ = f.read().rsplit(")", 1)[1].split()
+                procs[int(d)] = (int(f_[1]), int(f_[11]) + int(f_[12]))
+            except (OSError, IndexError, ValueError):
+                continue
+        mine: dict[int, bool] = {}
+
+        def is_mine(pid: int) -> bool:
+            chain = []
+            p = pid
+            while p not in mine and p != self.me and p > 1 and p in procs:
+                chain.append(p)
+                p = procs[p][0]
+            answer = mine.get(p, p == self.me)
+            for c in chain:
+                mine[c] = answer
+            return answer
+
+        with self._lock:
+            for pid, (_, ticks) in procs.items():
+                if is_mine(pid):
+                    continue
+                delta = ticks - self._prev.get(pid, 0)
+                self._prev[pid] = ticks
+                if count and delta > 0:
+                    secs = delta / self.tick
+                    self.total += secs
+                    try:
+                        with open(f"/proc/{pid}/cmdline", "rb") as f:
+                            cmd = f.read().replace(b"\0", b" ").decode(errors="replace")[:80]
+                    except OSError:
+                        cmd = str(pid)
+                    self.by_cmd[cmd] = self.by_cmd.get(cmd, 0.0) + secs
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._sample()
+
+    def mark(self) -> tuple[float, float, dict[str, float]]:
+        with self._lock:
+            return time.time(), self.total, dict(self.by_cmd)
+
+    def since(self, m: tuple[float, float, dict[str, float]]) -> dict[str, Any]:
+        now, total, by_cmd = self.mark()
+        top = sorted(((v - m[2].get(k, 0.0), k) for k, v in by_cmd.items()), reverse=True)[:3]
+        wall = now - m[0]
+        return {"wall_s": wall, "foreign_cpu_s": total - m[1],
+                "foreign_cpus": (total - m[1]) / wall if wall else 0.0,
+                "top": [{"cmd": k, "cpu_s": v} for v, k in top if v > 0.05]}
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
 
 
 def _machine() -> dict[str, Any]:
@@ -517,16 +601,23 @@ def _print_report(doc: dict[str, Any]) -> None:
                              for k in ("inventory_s", "decide_s", "plan_s", "fetch_verify_s",
                                        "load_s", "apply_s")))
     if rec and rec.get("worker_start"):
-        keys = ("interpreter_s", "import_s", "process_group_s", "build_model_s",
+        keys = ("interpreter_s", "import_s", "main_setup_s", "process_group_s", "build_model_s",
                 "optimizer_and_manager_s")
-        print("restarted workers' start-up (seconds; spawn -> aegis 'start' event):")
-        print(f"  {'node':>7} " + " ".join(f"{k[:-2]:>21}" for k in keys))
+        print("restarted workers' start-up (seconds; spawn -> aegis 'start' event; main_setup: "
+              "train_fsdp main() before init_distributed, incl. the torch._inductor import that "
+              "torch.use_deterministic_algorithms triggers):")
+        print(f"  {'node':>7} " + " ".join(f"{k[:-2]:>{max(len(k) - 2, 6)}}" for k in keys))
         for node, ws in rec["worker_start"].items():
-            print(f"  {node:>7} " + " ".join(f"{_f(ws.get(k)):>21}" for k in keys))
+            print(f"  {node:>7} " + " ".join(f"{_f(ws.get(k)):>{max(len(k) - 2, 6)}}"
+                                             for k in keys))
     for t in doc["targets"]:
         verdict = "n/a " if t["pass"] is None else "PASS" if t["pass"] else "FAIL"
         print(f"[{verdict}] {t['target']}: {_f(t['value'])}")
-    print(f"load average (1 min): {doc['loadavg']}")
+    print("load average (1 min): " + ", ".join(f"{k} {v:.2f}" for k, v in doc["loadavg"].items()))
+    for phase, n in doc.get("noise", {}).items():
+        top = "; ".join(f"{t['cmd'][:60]} {t['cpu_s']:.1f} s" for t in n["top"])
+        print(f"other processes during {phase}: {n['foreign_cpus']:.2f} CPUs "
+              f"({n['foreign_cpu_s']:.1f} CPU-s in {n['wall_s']:.0f} s){': ' + top if top else ''}")
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -582,35 +673,47 @@ def main(argv: list[str] | None = None) -> int:
           f"{shape['state_bytes'] / 1e6:.0f} MB state, {args.nodes} nodes; logs in {work}; "
           f"load {os.getloadavg()[0]:.2f}", flush=True)
     errors: dict[str, str] = {}
+    foreign = ForeignCpu()
+    noise: dict[str, Any] = {}
+    doc["noise"] = noise
     if "gloo" in args.phases:
         print("1) raw gloo send/recv bandwidth ...", flush=True)
+        m = foreign.mark()
         try:
             doc["gloo"] = measure_gloo(args.gloo_mib, args.gloo_repeats)
         except Exception as e:  # report what was measured, with the error
             errors["gloo"] = repr(e)
+        noise["gloo"] = foreign.since(m)
         doc["loadavg"]["after_gloo"] = os.getloadavg()[0]
     if "recovery" in args.phases:
         print("2) node loss and recovery ...", flush=True)
+        m = foreign.mark()
         try:
             doc["recovery"] = run_recovery(args, spec, work / "recovery")
         except Exception as e:
             errors["recovery"] = repr(e)
+        noise["recovery"] = foreign.since(m)
         doc["loadavg"]["after_recovery"] = os.getloadavg()[0]
     if "throughput" in args.phases:
         print("3) training throughput without / with snapshots ...", flush=True)
         thr: dict[str, Any] = {}
         try:
+            m = foreign.mark()
             thr["no_aegis"] = run_throughput(args, spec, work / "no-aegis", ["--no-aegis"],
                                              "bench-noaegis")
+            noise["no_aegis"] = foreign.since(m)
             doc["loadavg"]["after_no_aegis"] = os.getloadavg()[0]
+            m = foreign.mark()
             thr["aegis"] = run_throughput(args, spec, work / "aegis",
                                           ["--every", "1", "--replicas", "1"], "bench-aegis")
+            noise["aegis"] = foreign.since(m)
             a, b = thr["no_aegis"].get("steps_per_s"), thr["aegis"].get("steps_per_s")
             thr["ratio"] = b / a if a and b else None
         except Exception as e:
             errors["throughput"] = repr(e)
         doc["throughput"] = thr
         doc["loadavg"]["after_throughput"] = os.getloadavg()[0]
+    foreign.close()
     doc["errors"] = errors
     doc["wall_s"] = time.time() - t0
     doc["targets"] = _targets(doc)

@@ -12,7 +12,7 @@ __all__ = ["children", "descendants", "kill_tree", "wait_gone"]
 
 
 def children(pid: int) -> list[int]:
-    out = []
+    out: list[int] = []
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
     except FileNotFoundError:

@@ -106,7 +106,7 @@ class _Plan:
 
 
 def _fingerprint(flat: dict[str, Any]) -> tuple[Any, ...]:
-    out = []
+    out: list[tuple[Any, ...]] = []
     for k, v in flat.items():
         if isinstance(v, DTensor):
             local = v._local_tensor
@@ -276,8 +276,9 @@ class SnapshotEngine:
                     os.unlink(slot.path)
             self._pool.clear()
             self._replica_pool.clear()
-            for _, slot, replica_slots in self._committed:
-                for s in [slot, *replica_slots]:
+            for _, own, replica_slots in self._committed:
+                held: list[Slot | None] = [own, *replica_slots]
+                for s in held:
                     if s is not None:
                         s.close()
 
@@ -317,7 +318,11 @@ class SnapshotEngine:
                 self._pool[-1].ensure(layout.tensor_end)
             later = list(self._pool[:-1])
         if later:
-            self._executor.submit(lambda: [s.ensure(layout.tensor_end) for s in later])
+            def prefault() -> None:
+                for s in later:
+                    s.ensure(layout.tensor_end)
+
+            self._executor.submit(prefault)
         return plan
 
     def _check_capacity(self, layout: ShardLayout) -> None:

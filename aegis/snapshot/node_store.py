@@ -101,7 +101,7 @@ class NodeStore:
 
     def steps(self) -> list[StepInfo]:
         """Every step directory, newest first."""
-        out = []
+        out: list[StepInfo] = []
         if not self.dir.is_dir():
             return out
         for entry in os.scandir(self.dir):

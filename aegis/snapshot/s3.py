@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import threading
 from collections.abc import Iterable, Iterator
@@ -236,7 +237,7 @@ class S3Store(ObjectStore):
             token = r["NextContinuationToken"]
 
     def delete(self, keys: Iterable[str]) -> None:
-        batch: list[str] = []
+        batch: builtins.list[str] = []
         for key in keys:
             batch.append(self._key(key))
             if len(batch) == 1000:  # S3's limit per DeleteObjects request
@@ -245,7 +246,7 @@ class S3Store(ObjectStore):
         if batch:
             self._delete(batch)
 
-    def _delete(self, batch: list[str]) -> None:
+    def _delete(self, batch: builtins.list[str]) -> None:
         r = self._call("delete", self.client.delete_objects, Bucket=self.bucket,
                        Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True})
         if r.get("Errors"):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import bisect
 import json
 import math
+import mmap
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -237,7 +238,7 @@ def decode_index(body: bytes, *, crc: int, size: int, where: str) -> ShardIndex:
 
 
 def verify_chunks(
-    data: memoryview | bytes,
+    data: memoryview | bytes | mmap.mmap,
     chunks: Sequence[ChunkRecord],
     *,
     step: int,

@@ -21,6 +21,11 @@ __all__ = ["Send", "Recv", "Transport", "GlooTransport"]
 _MAX_PARTS = 4
 
 
+def _work(w: dist.Work | None) -> dist.Work:
+    assert w is not None, "p2p op on a group this rank is not in"
+    return w
+
+
 @dataclass
 class Send:
     """Send ``parts`` (contiguous uint8 tensors, sent back to back) to rank ``dst``."""
@@ -82,7 +87,7 @@ class GlooTransport(Transport):
         if self.pg is None:
             raise AegisError("GlooTransport needs torch.distributed to be initialized")
         # 1. headers: the part sizes of every message
-        works = []
+        works: list[dist.Work] = []
         for s in sends:
             if len(s.parts) > _MAX_PARTS:
                 raise ValueError(f"at most {_MAX_PARTS} parts per message")
@@ -90,19 +95,19 @@ class GlooTransport(Transport):
             header[0] = len(s.parts)
             for i, p in enumerate(s.parts):
                 header[i + 1] = p.numel()
-            works.append(dist.isend(header, self._global(s.dst), group=self.pg))
+            works.append(_work(dist.isend(header, self._global(s.dst), group=self.pg)))
         headers = []
         for r in recvs:
             h = torch.zeros(_MAX_PARTS + 1, dtype=torch.int64)
             headers.append(h)
-            works.append(dist.irecv(h, self._global(r.src), group=self.pg))
+            works.append(_work(dist.irecv(h, self._global(r.src), group=self.pg)))
         self._wait(works, "transfer header")
         # 2. payloads, in the same order on both sides
         works = []
         for s in sends:
             for p in s.parts:
                 if p.numel():
-                    works.append(dist.isend(p, self._global(s.dst), group=self.pg))
+                    works.append(_work(dist.isend(p, self._global(s.dst), group=self.pg)))
         received = 0
         for r, h in zip(recvs, headers, strict=True):
             n = int(h[0])
@@ -112,7 +117,7 @@ class GlooTransport(Transport):
                 if buf.numel() != size or buf.dtype != torch.uint8:
                     raise ValueError("alloc() must return uint8 tensors of the announced sizes")
                 if size:
-                    works.append(dist.irecv(buf, self._global(r.src), group=self.pg))
+                    works.append(_work(dist.irecv(buf, self._global(r.src), group=self.pg)))
                 received += size
         self._wait(works, "transfer")
         return received

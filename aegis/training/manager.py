@@ -71,7 +71,7 @@ class Manager:
         unknown = [k for k in durable if not k.startswith("durable")]
         if unknown:
             raise TypeError(f"Manager() got unexpected keyword argument(s) {unknown}")
-        extra = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
+        extra: dict[str, Any] = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
         self.config = ManagerConfig(
             job=job, every=every, keep=keep, replicas=replicas, store_dir=store_dir, timeout=timeout,
             events_dir=events_dir, rng=rng, verbose=verbose, **extra, **durable,

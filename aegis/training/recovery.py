@@ -102,7 +102,7 @@ def _choose(invs: dict[str, dict[int, _StepInv]], bad: set[int], durable_steps: 
             ) -> tuple[int | None, list[str]]:
     """The newest step committed on some node with every shard held by some node, or committed
     on the durable tier, whichever is newer (memory preferred for the same step)."""
-    notes = []
+    notes: list[str] = []
     steps = sorted({s for inv in invs.values() for s, i in inv.items() if i.committed}
                    | set(durable_steps), reverse=True)
     for step in steps:
@@ -217,10 +217,15 @@ def restore_newest(
         t = lap("decide_s", t)
         # 3. what every node needs, from each rank's local DCP load plan
         state_dict = make_state(manifest)
-        group.run_all("restore key check", lambda sd=state_dict, m=manifest: check_keys(
-            sd, m, ignore_prefix=rank_prefix))
-        needs = group.run_all("restore plan", lambda sd=state_dict, m=manifest: (
-            node, _needed_chunks(sd, m, group.rank == 0)))
+        def key_check(sd: dict[str, Any] = state_dict, m: Manifest = manifest) -> None:
+            check_keys(sd, m, ignore_prefix=rank_prefix)
+
+        def plan_needs(sd: dict[str, Any] = state_dict, m: Manifest = manifest
+                       ) -> tuple[str, dict[int, set[int]]]:
+            return node, _needed_chunks(sd, m, group.rank == 0)
+
+        group.run_all("restore key check", key_check)
+        needs = group.run_all("restore plan", plan_needs)
         need_by_node: dict[str, dict[int, set[int]]] = {n: {} for n in ranks_of}
         for n, shards in needs:
             for s, chunk_ids in shards.items():
@@ -259,14 +264,14 @@ def restore_newest(
     group.barrier("restore done")  # after every leader's cleanup: ranks then list a settled store
     timings["total_s"] = time.perf_counter() - t0
     sources = []
-    for s, n in sorted(reader.bytes_by_rank.items()):
-        origin = outcome.origin.get(s)
+    for shard, nread in sorted(reader.bytes_by_rank.items()):
+        origin = outcome.origin.get(shard)
         sources.append({
-            "shard": s,
+            "shard": shard,
             "tier": "local" if origin is None else (DURABLE if origin[0] == DURABLE else "peer"),
             "node": node if origin is None else origin[0],
-            "bytes_read": n,
-            "read_s": round(reader.seconds_by_rank.get(s, 0.0), 6),
+            "bytes_read": nread,
+            "read_s": round(reader.seconds_by_rank.get(shard, 0.0), 6),
             **({"fetch_bytes": origin[1], "fetch_s": round(origin[2], 6)} if origin else {}),
         })
     return RestoreResult(step, manifest, sources, timings, reader.bytes_read, outcome.fetched_bytes, skipped)
@@ -367,10 +372,13 @@ def _gather_shards(
         if transport is None and any(t[1] != DURABLE for t in transfers):
             raise AegisError("shards must be fetched from peers but no transport is configured")
         peer = [t for t in transfers if t[1] != DURABLE]
-        results = _run_transfers(store, group, transport, manifest, peer, worker) if peer else []
-        for s, _src, dst, ids in transfers:
-            if _src == DURABLE and worker(dst, s) == group.rank:
-                results.append(_fetch_durable(store, durable, manifest, s, dst, ids))
+        results = []
+        if peer:
+            assert transport is not None
+            results = _run_transfers(store, group, transport, manifest, peer, worker)
+        for shard, origin, dst, wanted in transfers:
+            if origin == DURABLE and worker(dst, shard) == group.rank:
+                results.append(_fetch_durable(store, durable, manifest, shard, dst, wanted))
         pending = set()
         for s, src, dst, err, nbytes, secs, part in (
             x for xs in group.all_gather(results, "restore fetch") for x in xs
@@ -387,6 +395,11 @@ def _gather_shards(
                 used.setdefault((dst, s), set()).add(src)
                 out.rejected.append(f"{src} -> {dst}: {err}")
     return out
+
+
+def _fixed(view: torch.Tensor) -> Callable[[list[int]], list[torch.Tensor]]:
+    """A Recv allocator that receives into ``view``."""
+    return lambda sizes: [view]
 
 
 def _runs(chunks: list[ChunkRecord], ids: set[int]) -> list[tuple[int, int]]:
@@ -412,7 +425,9 @@ def _run_transfers(
     """One round of copies between nodes: a whole shard (ids None), or the byte ranges of the
     chunks a node needs. Receivers verify what arrives before it is used."""
     step = manifest.step
-    sends, recvs, opened = [], [], []
+    sends: list[Send] = []
+    recvs: list[Recv] = []
+    opened: list[mmap.mmap] = []
     incoming: dict[int, tuple[Slot, str, str, set[int] | None]] = {}
     t0 = time.perf_counter()
     for s, src, dst, ids in transfers:
@@ -436,7 +451,7 @@ def _run_transfers(
             slot.ensure(rec.size, prefault=ids is None)
             incoming[s] = (slot, src, dst, ids)
             for a, b in runs:
-                recvs.append(Recv(sender, lambda sizes, v=slot.view[a:b]: [v]))
+                recvs.append(Recv(sender, _fixed(slot.view[a:b])))
     try:
         transport.exchange(sends, recvs)
     except BaseException:

@@ -103,6 +103,7 @@ def check_state(state: Mapping[str, Any]) -> None:
 def rng_state() -> dict[str, torch.Tensor]:
     version, mt, gauss = random.getstate()
     np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state(legacy=True)  # type: ignore[misc]
+    assert isinstance(np_keys, np.ndarray)
     assert np_name == "MT19937"
     out = {
         "python": torch.tensor([version, *mt, 0 if gauss is None else 1], dtype=torch.int64),
