@@ -14,7 +14,8 @@ decode it, so old snapshots stay readable when defaults change:
                           exponent: plane 0 is the 8 exponent bits, the other planes hold the
                           sign and mantissa. In little-endian byte planes the exponent's lowest
                           bit sits in the mantissa's byte and spoils it; aligned, the exponent
-                          plane compresses alone (bf16 weights here: 0.72 -> 0.69 of raw).
+                          plane compresses alone (bf16 weights of a 21M-parameter model trained
+                          here, zstd level 1: 0.68 of raw; plain zstd 0.78).
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ class Codec:
     """``mode``: ``planes`` (default: byte planes for floats, zstd otherwise), ``zstd``, ``raw``."""
 
     mode: str = "planes"
-    level: int = 3
+    level: int = 1
     threads: int = 0
 
     def __post_init__(self) -> None:

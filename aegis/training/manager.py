@@ -270,7 +270,7 @@ class Manager:
     def _check_durable(self) -> None:
         assert self.durable_store is not None
         self.durable_store.check()
-        if self.rank == 0:  # nothing of this job uploads yet: drop a crashed run's half-uploaded steps
+        if self.group.rank == 0:  # nothing of this job uploads yet: drop a crashed run's half-uploaded steps
             self._dropped = clean_uncommitted(self.durable_store, self.config.job)
 
     def _upload_due(self, step: int) -> bool:

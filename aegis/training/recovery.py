@@ -254,9 +254,11 @@ def restore_newest(
     t = lap("load_s", t)
     apply_state(state_dict, manifest)
     t = lap("apply_s", t)
-    if is_leader and durable_manifest is None and all(
-        (node, s) not in outcome.partial for s in range(manifest.world_size)
-    ) and all(store.shard_path(step, s).exists() for s in range(manifest.world_size)):
+    # A memory step's manifest goes to every node that now holds whole shards of it (a
+    # replacement node included); the durable manifest describes objects, not node files.
+    if is_leader and durable_manifest is None and any(
+        store.shard_path(step, s).exists() for s in range(manifest.world_size)
+    ):
         with contextlib.suppress(FileNotFoundError):
             if not store.manifest_path(step).exists():
                 store.write_manifest(manifest)  # a replacement node now holds the step too
