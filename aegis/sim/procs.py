@@ -21,7 +21,7 @@ def children(pid: int) -> list[int]:
         try:
             with open(f"/proc/{pid}/task/{tid}/children") as f:
                 out.extend(int(x) for x in f.read().split())
-        except (FileNotFoundError, ProcessLookupError):
+        except OSError:
             continue
     return out
 
@@ -61,7 +61,7 @@ def wait_gone(pids: list[int], timeout: float = 10.0) -> bool:
                     state = f.read().rsplit(")", 1)[1].split()[0]
                 if state != "Z":
                     alive.append(p)
-            except FileNotFoundError:
+            except OSError:  # gone (FileNotFoundError, or ProcessLookupError mid-read)
                 continue
         if not alive:
             return True

@@ -56,7 +56,7 @@ def _running(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
+    except OSError:  # gone (FileNotFoundError, or ProcessLookupError mid-read)
         return False
 
 
