@@ -37,6 +37,7 @@ Defaults: --state-mb 500 (dim 512, vocab 8192, seq 64 -> 11 layers, 43M params),
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -299,7 +300,7 @@ def run_recovery(args: argparse.Namespace, spec: str, work: Path) -> dict[str, A
         "t_cluster_start": t_start, "t_kill": t_kill, "t_detect": t_detect,
         "last_step_logged_before_kill": last_logged, "committed_on_survivors": committed,
         "restored_step": restored, "first_resumed_step": first["step"] if first else None,
-        "step_stats_before_kill": _step_stats(before, args.warmup_steps),
+        "step_stats_before_kill": _step_stats(before, 1),  # steps 2 .. kill
         "losses": losses, "start_events": starts, "restore_events": restores,
     }
     t_spawn = max((t for t in spawned.values() if t is not None), default=None)
@@ -483,6 +484,17 @@ class ForeignCpu:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+
+
+def _git() -> dict[str, Any]:
+    def git(*a: str) -> str:
+        r = subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, timeout=30)
+        return r.stdout.strip()
+
+    with contextlib.suppress(Exception):
+        return {"commit": git("rev-parse", "HEAD"),
+                "dirty": git("status", "--porcelain", "--", "aegis", "examples").splitlines()}
+    return {}
 
 
 def _machine() -> dict[str, Any]:
@@ -671,7 +683,7 @@ def main(argv: list[str] | None = None) -> int:
     doc: dict[str, Any] = {
         "bench": "recovery", "command": shlex.join([sys.executable, SELF, *raw]),
         "argv": raw, "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "machine": _machine(), "model": shape, "workdir": str(work),
+        "machine": _machine(), "git": _git(), "model": shape, "workdir": str(work),
         "loadavg": {"start": os.getloadavg()[0]}, "started": t0,
     }
     print(f"aegis recovery bench: {shape['params'] / 1e6:.1f}M params, "
