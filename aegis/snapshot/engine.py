@@ -21,10 +21,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -118,6 +119,39 @@ def _fingerprint(flat: dict[str, Any]) -> tuple[Any, ...]:
     return tuple(out)
 
 
+class _DaemonWorker:
+    """One background thread running submitted calls in order, returning futures.
+
+    A daemon, unlike ThreadPoolExecutor's workers: when training has already failed (a peer
+    died), a transfer blocked in gloo must not keep the process alive until its timeout, so
+    torchrun can restart the job at once."""
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.Queue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        self._queue.put((future, fn, args))
+        return future
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            future, fn, args = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - delivered through the future
+                future.set_exception(e)
+
+    def shutdown(self, wait: bool = True) -> None:
+        self._queue.put(None)
+        if wait:
+            self._thread.join()
+
+
 class SnapshotEngine:
     """Async in-memory snapshots of one rank into its node store. See the module docstring.
 
@@ -182,7 +216,7 @@ class SnapshotEngine:
         self._committed: list[tuple[int, Slot | None, list[Slot]]] = []
         self._inflight: tuple[SnapshotHandle, Slot | None] | None = None
         self.last_step = -1  # newest step saved or restored: save() must go beyond it
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"aegis-snap-r{self.rank}")
+        self._executor = _DaemonWorker(f"aegis-snap-r{self.rank}")
         self._lock = threading.RLock()  # pools, slot names, committed list, pins
         self._closed = False
 

@@ -35,7 +35,7 @@ from aegis.snapshot.transport import GlooTransport
 from aegis.training.config import ManagerConfig
 from aegis.training.events import EventLog
 from aegis.training.recovery import RestoreResult, restore_newest
-from aegis.training.state import check_state, rng_state, set_rng_state
+from aegis.training.state import ModelOptimizerState, check_state, rng_state, set_rng_state
 
 __all__ = ["Manager"]
 
@@ -136,7 +136,11 @@ class Manager:
         return f"rank{rank:05d}"
 
     def _state_dict(self, manifest: Manifest | None = None) -> dict[str, Any]:
-        """The nested state dict that DCP saves or loads into."""
+        """The nested state dict that DCP saves or loads into (``manifest``: for a restore)."""
+        if manifest is not None:
+            for obj in self.state.values():
+                if isinstance(obj, ModelOptimizerState):
+                    obj.prepare_for_load()
         sd: dict[str, Any] = {_APP: {name: obj.state_dict() for name, obj in self.state.items()}}
         if self.config.rng:
             key = self._rng_key(self.rank)
