@@ -54,6 +54,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from _machine import machine_basics  # noqa: E402 - bench/ is on sys.path as a script
+
 ROOT = Path(__file__).resolve().parent.parent
 TRAINER = ROOT / "examples" / "train_fsdp.py"
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "durable.json"
@@ -127,18 +129,9 @@ def _free_port() -> int:
 def _machine() -> dict[str, Any]:
     import torch
 
-    mem = {}
-    with open("/proc/meminfo") as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            if key in ("MemTotal", "MemAvailable"):
-                mem[key + "_kib"] = int(rest.split()[0])
-    cpu = ""
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                cpu = line.partition(":")[2].strip()
-                break
+    basics = machine_basics(("MemTotal", "MemAvailable"))
+    mem = {k: v for k, v in basics.items() if k.endswith("_kib")}
+    cpu = basics["cpu_model"]
     versions = {}
     for name in ("boto3", "botocore", "s3fs", "aiobotocore", "fsspec", "moto", "zstandard",
                  "awscrt"):

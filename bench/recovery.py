@@ -54,6 +54,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from _machine import machine_basics  # noqa: E402 - bench/ is on sys.path as a script
+
 ROOT = Path(__file__).resolve().parent.parent
 SELF = str(Path(__file__).resolve())
 TRAINER = ROOT / "examples" / "train_fsdp.py"
@@ -500,18 +502,9 @@ def _git() -> dict[str, Any]:
 def _machine() -> dict[str, Any]:
     import torch
 
-    mem: dict[str, int] = {}
-    with open("/proc/meminfo") as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            if key in ("MemTotal", "MemAvailable"):
-                mem[key + "_kib"] = int(rest.split()[0])
-    cpu = ""
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                cpu = line.partition(":")[2].strip()
-                break
+    basics = machine_basics(("MemTotal", "MemAvailable"))
+    mem = {k: v for k, v in basics.items() if k.endswith("_kib")}
+    cpu = basics["cpu_model"]
     shm = shutil.disk_usage("/dev/shm")
     return {"cpu_count": os.cpu_count(), "cpu_model": cpu, **mem, "dev_shm_total": shm.total,
             "torch": torch.__version__, "python": platform.python_version(),

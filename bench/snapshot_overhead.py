@@ -52,6 +52,7 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+from _machine import machine_basics  # noqa: E402 - bench/ is on sys.path as a script
 from torch import nn
 
 ALL_CASES = ("floor", "floor_shm", "get_state_dict", "aegis", "dcp_save", "dcp_async_save")
@@ -386,18 +387,9 @@ def _free_port() -> int:
 
 
 def _machine() -> dict[str, Any]:
-    mem = {}
-    with open("/proc/meminfo") as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            if key in ("MemTotal", "MemAvailable", "Shmem"):
-                mem[key + "_kib"] = int(rest.split()[0])
-    cpu = ""
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                cpu = line.partition(":")[2].strip()
-                break
+    basics = machine_basics(("MemTotal", "MemAvailable", "Shmem"))
+    mem = {k: v for k, v in basics.items() if k.endswith("_kib")}
+    cpu = basics["cpu_model"]
     thp = {}
     for name in ("enabled", "shmem_enabled"):
         p = Path("/sys/kernel/mm/transparent_hugepage") / name
