@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import os
 import queue
 import threading
@@ -47,6 +48,13 @@ from aegis.snapshot.transport import Recv, Send, Transport
 __all__ = ["SnapshotEngine", "SnapshotHandle", "SnapshotResult", "format_bytes"]
 
 _TAIL_ALLOWANCE = 1 << 20  # bytes region + index, estimated for the free-space check
+
+
+def is_store_full(e: BaseException) -> bool:
+    """A full tmpfs (or quota): the snapshot is skipped, not the training run."""
+    if isinstance(e, StoreFullError):
+        return True
+    return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 def format_bytes(n: float) -> str:
@@ -77,6 +85,7 @@ class SnapshotResult:
     replicate_s: float = 0.0
     replica_bytes: int = 0  # replicas this rank received and holds
     error: str | None = None
+    skipped: bool = False  # not committed because a node store was full (training goes on)
 
     @property
     def staging_gbps(self) -> float:
@@ -94,7 +103,8 @@ class SnapshotHandle:
         return self._future.done()
 
     def wait(self, timeout: float | None = None) -> SnapshotResult:
-        """Block until the snapshot is committed (or failed); re-raises its error."""
+        """Block until the snapshot is committed (or failed); re-raises its error. A snapshot
+        skipped because a node store was full is not an error: its result says ``skipped``."""
         return self._future.result(timeout)
 
 
@@ -283,7 +293,9 @@ class SnapshotEngine:
         future = self._executor.submit(self._finish, result, slot, staged, error)
         handle = SnapshotHandle(step, future)
         self._inflight = (handle, slot)
-        if error is not None:
+        if error is not None and not is_store_full(error):
+            # A full store is decided for every rank by the commit (the step is skipped); any
+            # other copy failure is a bug or a broken state, and stops this rank.
             raise AegisError(f"snapshot of step {step} failed while copying on rank {self.rank}: {error}") from error
         return handle
 
@@ -349,7 +361,8 @@ class SnapshotEngine:
             while len(self._pool) + in_use < self.keep + 1:
                 self._pool.append(self._new_slot())
             if self._pool:
-                self._pool[-1].ensure(layout.tensor_end)
+                with contextlib.suppress(StoreFullError):  # the save then skips, see _take_slot
+                    self._pool[-1].ensure(layout.tensor_end)
             later = list(self._pool[:-1])
         if later:
             def prefault() -> None:
@@ -430,25 +443,27 @@ class SnapshotEngine:
         t0 = time.perf_counter()
         record: ShardRecord | None = None
         err = f"{type(error).__name__}: {error}" if error is not None else None
+        full = error is not None and is_store_full(error)  # only a full store on this rank?
         if staged is not None and err is None:
             try:
                 record = complete(staged, job=self.store.job, node=self.node)
                 result.shard_bytes = record.size
             except Exception as e:  # noqa: BLE001 - reported to rank 0
-                err = f"{type(e).__name__}: {e}"
+                err, full = f"{type(e).__name__}: {e}", is_store_full(e)
         tr = time.perf_counter()
         received: list[tuple[int, int | None, str | None]] = []
         replica_slots: list[Slot] = []
         try:
-            received, replica_slots = self._replicate(
+            received, replica_slots, replica_full = self._replicate(
                 result.step, slot, staged if err is None and slot is not None else None)
+            full = replica_full if err is None else full and replica_full
         except Exception as e:  # noqa: BLE001 - a peer that stopped answering: abort for everyone
-            err = err or f"replication: {type(e).__name__}: {e}"
+            err, full = err or f"replication: {type(e).__name__}: {e}", False
         result.replicate_s = time.perf_counter() - tr
         result.replica_bytes = sum(s.capacity for s in replica_slots)
         tc = time.perf_counter()
         reports = self.group.gather(
-            (record, err, received, result.blocking_s, result.copy_s), "commit gather"
+            (record, err, received, result.blocking_s, result.copy_s, full), "commit gather"
         )
         decision: tuple[str, Any] | None = None
         if self.rank == 0:
@@ -456,30 +471,40 @@ class SnapshotEngine:
             try:
                 decision = self._decide_commit(result.step, reports, tc - t0)
             except Exception as e:  # noqa: BLE001 - every rank must hear the outcome
-                decision = ("abort", {0: f"commit decision: {type(e).__name__}: {e}"})
+                decision = ("abort", ({0: f"commit decision: {type(e).__name__}: {e}"}, False))
         kind, payload = self.group.broadcast(decision, "commit broadcast")
         if kind == "commit":
             manifest, upload = payload
-            write_err = None
+            write_err: tuple[str, bool] | None = None
             if self.is_leader:
                 try:
                     _fault.hit("commit", result.step, self.rank)
                     self.store.write_manifest(manifest)
                 except Exception as e:  # noqa: BLE001 - e.g. a full tmpfs
-                    write_err = f"writing the manifest on node {self.node!r}: {type(e).__name__}: {e}"
+                    write_err = (f"writing the manifest on node {self.node!r}: {type(e).__name__}: {e}",
+                                 is_store_full(e))
             # Evict nothing until every node holds the new manifest: a leader dying (or failing)
             # before its write must leave the previous snapshot complete everywhere.
             writes = self.group.all_gather(write_err, "commit acknowledge")
-            failed = {r: w for r, w in enumerate(writes) if w is not None}
+            failed = {r: w[0] for r, w in enumerate(writes) if w is not None}
             if failed:
                 if self.is_leader:
                     self.store.uncommit(result.step)
-                kind, payload = "abort", failed
+                kind, payload = "abort", (failed, all(w[1] for w in writes if w is not None))
         if kind == "abort":
+            failures, skipped = payload
             self._discard(result.step, slot, replica_slots)
-            result.error = str(CollectiveError(f"snapshot of step {result.step}", payload))
+            failure = CollectiveError(f"snapshot of step {result.step}", failures)
+            result.error = str(failure)
+            if skipped:
+                # Every failure was a full node store: skip this snapshot on every rank (the
+                # previous committed one stays), warn through the result, keep training.
+                result.skipped = True
+                result.background_s = time.perf_counter() - t0
+                self._report(result)
+                return result
             self._report(result)
-            raise CollectiveError(f"snapshot of step {result.step}", payload)
+            raise failure
         result.committed = True
         result.snapshot_bytes = manifest.total_bytes
         assert slot is not None
@@ -516,25 +541,34 @@ class SnapshotEngine:
             self.store._rmdir_if_empty(step)
 
     def _replicate(self, step: int, slot: Slot | None, staged: StagedShard | None
-                   ) -> tuple[list[tuple[int, int | None, str | None]], list[Slot]]:
+                   ) -> tuple[list[tuple[int, int | None, str | None]], list[Slot], bool]:
         """Push this rank's shard to its targets; receive and verify the shards of its sources.
 
         Every rank takes part even if its own shard failed (it then sends an empty message), so
         no peer waits for a transfer that never comes. Returns, per source, (source rank, index
-        crc32c of the verified replica or None, error) and the replica slots filled.
+        crc32c of the verified replica or None, error), the replica slots filled, and whether
+        every failure was a full node store (a replica that did not fit is still received, into
+        private memory, and dropped: the sender must never wait for a receive that is not posted).
         """
         if not self.targets and not self.sources:
-            return [], []
+            return [], [], False
         assert self.transport is not None
         parts: list[torch.Tensor] = []
         if staged is not None and slot is not None:
             parts = [slot.view[: staged.layout.tensor_end],
                      torch.frombuffer(bytearray(staged.tail), dtype=torch.uint8)]
         slots: dict[int, Slot] = {}
+        no_room: dict[int, str] = {}
 
         def alloc(src: int) -> Callable[[list[int]], list[torch.Tensor]]:
             def fn(sizes: list[int]) -> list[torch.Tensor]:
-                rs = self._replica_slot(step, src, max(sum(sizes), 1))
+                try:
+                    rs = self._replica_slot(step, src, max(sum(sizes), 1))
+                except Exception as e:
+                    if not is_store_full(e):
+                        raise
+                    no_room[src] = f"{type(e).__name__}: {e}"
+                    return [torch.empty(n, dtype=torch.uint8) for n in sizes]  # drained, dropped
                 slots[src] = rs
                 out, pos = [], 0
                 for n in sizes:
@@ -554,6 +588,9 @@ class SnapshotEngine:
         received: list[tuple[int, int | None, str | None]] = []
         for src in self.sources:
             rs = slots.get(src)
+            if src in no_room:
+                received.append((src, None, f"no room for the replica: {no_room[src]}"))
+                continue
             if rs is None or rs.capacity <= 1:
                 received.append((src, None, "no shard received (the owner failed)"))
                 continue
@@ -564,28 +601,34 @@ class SnapshotEngine:
                 received.append((src, icrc, None))
             except CorruptShardError as e:
                 received.append((src, None, str(e)))
-        return received, list(slots.values())
+        full = bool(no_room) and all(err is None or src in no_room for src, _, err in received)
+        return received, list(slots.values()), full
 
     def _decide_commit(self, step: int, reports: list[Any], complete_s: float) -> tuple[str, Any]:
         """Rank 0: commit only if every shard is stored and every replica verified against the
         owner's index crc32c."""
         failures: dict[int, str] = {}
-        records = {r: rec for r, (rec, _, _, _, _) in enumerate(reports)}
-        for r, (_, err, _, _, _) in enumerate(reports):
-            if err is not None:
-                failures[r] = err
+        records = {r: rep[0] for r, rep in enumerate(reports)}
+        full = {r: rep[5] for r, rep in enumerate(reports)}
+        for r, rep in enumerate(reports):
+            if rep[1] is not None:
+                failures[r] = rep[1]
         held: dict[int, list[str]] = {r: [] for r in range(self.world)}
-        for holder, (_, _, received, _, _) in enumerate(reports):
-            for src, icrc, rerr in received:
+        for holder, rep in enumerate(reports):
+            for src, icrc, rerr in rep[2]:
                 rec = records.get(src)
                 if rerr is not None:
+                    if reports[src][1] is not None:
+                        continue  # the owner failed (counted above); the holder got nothing
                     failures.setdefault(holder, f"replica of rank {src}: {rerr}")
                 elif rec is not None and icrc != rec.index_crc32c:
                     failures.setdefault(holder, f"replica of rank {src} does not match its owner's crc32c")
+                    full[holder] = False
                 else:
                     held[src].append(self.nodes[holder])
         if failures:
-            return ("abort", failures)
+            # Skipped (not an error) only when every failing rank ran out of node-store room.
+            return ("abort", (failures, all(full[r] for r in failures)))
         upload = bool(self.upload_filter and self.upload_filter(step))
         return ("commit", (Manifest(
             job=self.store.job,

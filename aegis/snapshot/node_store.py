@@ -144,11 +144,16 @@ class NodeStore:
         path = self.manifest_path(manifest.step)
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         tmp = path.with_name(f".{MANIFEST}.tmp{os.getpid()}")
-        with open(tmp, "wb") as f:
-            f.write(manifest.to_json().encode())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(manifest.to_json().encode())
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):  # e.g. ENOSPC: leave no half-written file behind
+                os.unlink(tmp)
+            raise
 
     def uncommit(self, step: int) -> None:
         """Remove a step's manifest first, so a crash mid-eviction never leaves it committed."""

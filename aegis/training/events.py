@@ -36,6 +36,11 @@ class EventLog:
         if self.verbose:
             print(f"[aegis] {message}", file=sys.stderr, flush=True)
 
+    def warn(self, message: str) -> None:
+        """Printed on rank 0 even when not verbose: something degraded but training goes on."""
+        if self.rank == 0:
+            print(f"[aegis] warning: {message}", file=sys.stderr, flush=True)
+
 
 def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     with open(path) as f:

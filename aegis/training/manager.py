@@ -341,8 +341,14 @@ class Manager:
             commit_ms=r.commit_s * 1e3,
             replicate_ms=r.replicate_s * 1e3,
             replica_bytes=r.replica_bytes,
+            skipped=r.skipped,
             error=r.error,
         )
+        if r.skipped:
+            self.events.warn(
+                f"step {r.step}: memory snapshot skipped, a node store is full ({r.error}); the "
+                "previous snapshot stays committed, training goes on. Free space on that tmpfs."
+            )
         if r.committed:
             self.events.say(
                 f"step {r.step}: snapshot {format_bytes(r.snapshot_bytes)} committed; rank 0 "
