@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from aegis import _fault
+from aegis.errors import AegisError
 from aegis.snapshot.manifest import (
     ChunkRecord,
     ItemRecord,
@@ -151,12 +152,32 @@ def complete(staged: StagedShard, *, job: str, node: str) -> ShardRecord:
     )
 
 
+def _refusal_reason(e: BaseException) -> str:
+    """The line of torch's refusal that names what was refused (not its advice to retry with
+    weights_only=False, which is exactly what must not be done with a hostile snapshot)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    skip = ("Weights only load failed", "Check the documentation", "Please file an issue")
+    return next((line for line in lines if not line.startswith(skip)), lines[0] if lines else "")
+
+
 class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner, but non-tensor items never execute code from the snapshot:
     they are loaded with ``torch.load(weights_only=True)``."""
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        obj = torch.load(value, weights_only=True)
+        fqn = read_item.dest_index.fqn
+        try:
+            # weights_only=True given explicitly: TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD cannot undo it
+            obj = torch.load(value, weights_only=True)
+        except Exception as e:  # noqa: BLE001 - whatever torch refuses, the item is not loaded
+            reason = _refusal_reason(e)
+            raise AegisError(
+                f"non-tensor item {fqn!r} of the snapshot was refused by torch.load(weights_only=True) "
+                f"and not loaded; nothing in it was executed ({type(e).__name__}: {reason[:300]}). "
+                "The snapshot was damaged or forged, or the item holds an object of a type that "
+                "cannot be loaded safely: keep non-tensor state to tensors and plain Python values "
+                "(dict, list, str, int, float, bool, None)"
+            ) from e
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:

@@ -51,7 +51,7 @@ __all__ = [
     "fetch_chunks",
 ]
 
-_STEP_RE = re.compile(r"^step-(\d{8})/")
+_STEP_RE = re.compile(r"step-([0-9]{8})/")  # ASCII digits: "\d" takes any Unicode digit
 
 
 def step_prefix(job: str, step: int) -> str:
@@ -372,7 +372,13 @@ def fetch_chunks(store: ObjectStore, job: str, manifest: Manifest, shard: int, i
                 f"crc32c mismatch in step {step}, rank {shard}, chunk {i}: object {where} is "
                 f"truncated or corrupt ({len(blob)} bytes, manifest says {c.stored_length})",
                 step=step, rank=shard, chunk=i, where=where)
-        raw = decode(blob, c.codec, c.length, where=where)
+        try:
+            raw = decode(blob, c.codec, c.length, where=where)
+        except MemoryError as e:  # a zstd frame header may declare any size; decoding allocates it
+            raise CorruptShardError(
+                f"{where}: cannot decode (a compressed frame declares more bytes than the chunk's "
+                f"{c.length}); the object is damaged or forged", step=step, rank=shard, chunk=i,
+                where=where) from e
         if crc32c(raw) != c.crc32c:
             raise CorruptShardError(f"crc32c mismatch in step {step}, rank {shard}, chunk {i} after "
                                     f"decoding {where}", step=step, rank=shard, chunk=i, where=where)

@@ -3,9 +3,10 @@
 The manifest is data. Nothing here does I/O: callers read and write the bytes. A step without
 a manifest does not exist, so the manifest is always the last thing written for a step.
 
-Parsing is strict: unknown or missing fields, wrong types, negative sizes and offsets, chunks
-that overlap or run past the end of their shard are rejected with a :class:`ManifestError`
-before any byte of a shard is trusted.
+Parsing is strict: duplicate JSON keys, unknown or missing fields, wrong types, negative or
+absurd sizes and offsets, chunks that overlap or run past the end of their shard, and items that
+disagree with the entries they belong to are rejected with a :class:`ManifestError` before any
+byte of a shard is trusted.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from aegis.errors import ManifestError
 
 __all__ = [
     "FORMAT_VERSION",
+    "MAX_WORLD_SIZE",
     "ChunkRecord",
     "ItemRecord",
     "ShardRecord",
@@ -44,16 +46,48 @@ __all__ = [
 FORMAT_VERSION = 1
 
 _MAX_SIZE = 1 << 50  # 1 PiB: anything larger in a manifest is corrupt, not a real snapshot
+MAX_WORLD_SIZE = 100_000  # shard paths and keys hold the rank in 5 digits ("rank-00042")
+
+
+def load_json(text: str | bytes, *, what: str, where: str) -> Any:
+    """``json.loads`` for bytes nobody vouches for: a key given twice (which ``json.loads`` would
+    silently resolve to the last one) and nesting too deep for the decoder are
+    :class:`ManifestError`, like any text that is not JSON."""
+    try:
+        return json.loads(text, object_pairs_hook=_unique_keys)
+    except _DuplicateKey as e:
+        raise ManifestError(
+            f"{where}: {what} has the duplicate key {e.key!r}; a writer never repeats a key, so the "
+            "file is damaged or forged"
+        ) from None
+    except RecursionError:
+        raise ManifestError(f"{where}: {what} is nested too deep to be a real one; the file is damaged") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ManifestError(f"{where}: {what} is not valid JSON ({e}); the file is damaged") from e
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(k)
+        out[k] = v
+    return out
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def dtype_from_name(name: str) -> torch.dtype:
+def dtype_from_name(name: str, *, where: str = "manifest") -> torch.dtype:
     value = getattr(torch, name, None) if name.isidentifier() else None
     if not isinstance(value, torch.dtype):
-        raise ManifestError(f"unknown dtype {name!r} in manifest")
+        raise ManifestError(f"{where}: unknown dtype {name!r}")
     return value
 
 
@@ -238,17 +272,15 @@ class Manifest:
 
     @classmethod
     def from_json(cls, text: str | bytes, *, where: str = "manifest") -> Manifest:
-        try:
-            doc = json.loads(text)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ManifestError(f"{where}: not valid JSON ({e}); the file is damaged") from e
-        return cls.from_doc(doc, where=where)
+        return cls.from_doc(load_json(text, what="manifest", where=where), where=where)
 
     @classmethod
     def from_doc(cls, doc: Any, *, where: str = "manifest") -> Manifest:
         p = _Parser(where)
         d = p.obj(doc, "manifest")
-        version = p.int_(d.get("format_version"), "format_version")
+        if "format_version" not in d:
+            raise p.fail("manifest is missing field(s) ['format_version']")
+        version = p.int_(d["format_version"], "format_version")
         if version > FORMAT_VERSION:
             raise ManifestError(
                 f"{where}: written by a newer aegis (format version {version}, this aegis reads "
@@ -264,10 +296,14 @@ class Manifest:
         )
         job = p.str_(d["job"], "job")
         step = p.int_(d["step"], "step")
-        world = p.int_(d["world_size"], "world_size", lo=1)
-        shards = tuple(
-            _shard_from_doc(p, s, f"shards[{i}]") for i, s in enumerate(p.list_(d["shards"], "shards"))
-        )
+        world = p.int_(d["world_size"], "world_size", lo=1, hi=MAX_WORLD_SIZE)
+        shard_docs = p.list_(d["shards"], "shards")
+        if len(shard_docs) != world:
+            raise ManifestError(
+                f"{where}: {len(shard_docs)} shard record(s) for world_size {world}, expected exactly "
+                f"one per rank 0..{world - 1}"
+            )
+        shards = tuple(_shard_from_doc(p, s, f"shards[{i}]") for i, s in enumerate(shard_docs))
         ranks = sorted(s.rank for s in shards)
         if ranks != list(range(world)):
             raise ManifestError(
@@ -287,8 +323,8 @@ class Manifest:
                     required={"kind", "dtype", "size", "chunks"},
                     optional={"requires_grad"},
                 )
-                dtype = p.str_(ed["dtype"], "dtype")
-                dtype_from_name(dtype)
+                dtype = p.str_(ed["dtype"], f"entries[{name!r}].dtype")
+                dtype_from_name(dtype, where=where)
                 size = p.ints(ed["size"], f"entries[{name!r}].size")
                 chunks = []
                 for c in p.list_(ed["chunks"], f"entries[{name!r}].chunks"):
@@ -308,7 +344,7 @@ class Manifest:
                     dtype=dtype,
                     size=size,
                     chunks=tuple(chunks),
-                    requires_grad=bool(ed.get("requires_grad", False)),
+                    requires_grad=p.bool_(ed.get("requires_grad", False), f"entries[{name!r}].requires_grad"),
                 )
             else:
                 raise ManifestError(f"{where}: entries[{name!r}] has unknown kind {kind!r}")
@@ -368,9 +404,12 @@ def item_from_doc(p: _Parser, d: Any, what: str) -> ItemRecord:
     p.fields(d, what, required={"fqn", "file_offset", "length"}, optional={"offset", "dtype", "shape"})
     dtype = d.get("dtype")
     shape = None
-    if dtype is not None:
-        dtype_from_name(p.str_(dtype, f"{what}.dtype"))
-        shape = p.ints(d.get("shape", []), f"{what}.shape")
+    if dtype is not None:  # a tensor item: its bytes are viewed as dtype and shape
+        p.fields(d, what, required={"fqn", "file_offset", "length", "dtype", "shape"}, optional={"offset"})
+        dtype_from_name(p.str_(dtype, f"{what}.dtype"), where=p.where)
+        shape = p.ints(d["shape"], f"{what}.shape")
+    elif "shape" in d:
+        raise p.fail(f"{what} has a shape without a dtype (only tensor items have one)")
     item = ItemRecord(
         fqn=p.str_(d["fqn"], f"{what}.fqn"),
         offset=p.ints(d["offset"], f"{what}.offset") if "offset" in d else None,
@@ -460,15 +499,48 @@ def _shard_from_doc(p: _Parser, doc: Any, what: str) -> ShardRecord:
 
 
 def _check_items_against_entries(m: Manifest, where: str) -> None:
+    """Every item is one chunk of its entry (same dtype and shape), and every chunk of every
+    entry is stored by some shard: what DCP will ask the reader for exists, and the reader views
+    bytes with the dtype and shape DCP expects."""
+    stored: set[tuple[str, tuple[int, ...] | None]] = set()
+    chunk_sizes = {
+        name: {offs: sizes for offs, sizes in e.chunks}
+        for name, e in m.entries.items() if isinstance(e, TensorEntry)
+    }
     for shard in m.shards:
         for item in shard.items:
             entry = m.entries.get(item.fqn)
+            what = f"item {item.fqn!r} of the shard of rank {shard.rank}"
             if entry is None:
                 raise ManifestError(
                     f"{where}: shard of rank {shard.rank} holds {item.fqn!r}, which no entry declares"
                 )
             if isinstance(entry, TensorEntry) != item.is_tensor:
                 raise ManifestError(f"{where}: item {item.fqn!r} does not match its entry's kind")
+            if isinstance(entry, TensorEntry):
+                sizes = chunk_sizes[item.fqn].get(item.offset) if item.offset is not None else None
+                if sizes is None:
+                    raise ManifestError(
+                        f"{where}: {what} is at offset {item.offset}, but no chunk of the entry starts "
+                        "there"
+                    )
+                if item.dtype != entry.dtype:
+                    raise ManifestError(
+                        f"{where}: {what} has dtype {item.dtype}, its entry has dtype {entry.dtype}"
+                    )
+                if item.shape != sizes:
+                    raise ManifestError(
+                        f"{where}: {what} has shape {item.shape}, its chunk of the entry has shape {sizes}"
+                    )
+            elif item.offset is not None:
+                raise ManifestError(f"{where}: {what} is a byte item with a tensor offset {item.offset}")
+            stored.add((item.fqn, item.offset))
+    for name, entry in m.entries.items():
+        offsets = [o for o, _ in entry.chunks] if isinstance(entry, TensorEntry) else [None]
+        for o in offsets:
+            if (name, o) not in stored:
+                at = "" if o is None else f" (chunk at offset {o})"
+                raise ManifestError(f"{where}: entry {name!r}{at} is declared, but no shard stores it")
 
 
 class _Parser:
@@ -493,6 +565,11 @@ class _Parser:
     def str_(self, v: Any, what: str) -> str:
         if not isinstance(v, str):
             raise self.fail(f"{what} must be a string")
+        return v
+
+    def bool_(self, v: Any, what: str) -> bool:
+        if not isinstance(v, bool):
+            raise self.fail(f"{what} must be a boolean, got {v!r}")
         return v
 
     def num(self, v: Any, what: str) -> float:

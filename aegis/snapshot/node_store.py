@@ -19,6 +19,7 @@ import mmap
 import os
 import re
 import shutil
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,8 +38,10 @@ from aegis.snapshot.shard import (
 
 __all__ = ["NodeStore", "Slot", "StepInfo", "default_store_root"]
 
-_STEP_RE = re.compile(r"^step-(\d{8})$")
-_SHARD_RE = re.compile(r"^rank-(\d{5})\.shard$")
+# Names this module wrote itself and nothing else: ASCII digits only (``\d`` would take any
+# Unicode digit, "step-٠٠٠٠٠٠٠٧" too), matched in full (``$`` would allow a trailing newline).
+_STEP_RE = re.compile(r"step-([0-9]{8})")
+_SHARD_RE = re.compile(r"rank-([0-9]{5})\.shard")
 MANIFEST = "manifest.json"
 
 
@@ -46,11 +49,11 @@ def default_store_root() -> Path:
     return Path(os.environ.get("AEGIS_STORE_DIR", "/dev/shm/aegis"))
 
 
-_JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+_JOB_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}")
 
 
 def check_job_name(job: str) -> str:
-    if not isinstance(job, str) or not _JOB_RE.match(job) or ".." in job:
+    if not isinstance(job, str) or not _JOB_RE.fullmatch(job) or ".." in job:
         raise ConfigError(
             f"job={job!r} is not a valid job name: use 1-128 letters, digits, '_', '-' or '.', "
             "starting with a letter or digit (it becomes a directory and an object-key prefix)"
@@ -78,9 +81,21 @@ class NodeStore:
         self.slots_dir = self.dir / ".slots"
 
     def create(self) -> None:
-        # Private to the user running the job: snapshots hold the full training state.
-        for d in (self.root, self.dir, self.slots_dir):
+        # Private to the user running the job: snapshots hold the full training state. mkdir's
+        # mode is masked by the umask, never widened by it, so 0o700 holds under any umask.
+        for d in (self.root, self.dir):
             d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # The job's directory may predate this run: it must be ours, and only ours.
+        st = os.stat(self.dir)
+        if st.st_uid != os.geteuid():
+            raise ConfigError(
+                f"node store directory {self.dir} belongs to another user (uid {st.st_uid}, this "
+                f"process runs as uid {os.geteuid()}): snapshots must not go where others can read "
+                "or replace them; remove it or use another AEGIS_STORE_DIR or job name"
+            )
+        if stat.S_IMODE(st.st_mode) != 0o700:
+            os.chmod(self.dir, 0o700)
+        self.slots_dir.mkdir(mode=0o700, exist_ok=True)
 
     # -- paths ---------------------------------------------------------------------------------
 
@@ -105,7 +120,7 @@ class NodeStore:
         if not self.dir.is_dir():
             return out
         for entry in os.scandir(self.dir):
-            m = _STEP_RE.match(entry.name)
+            m = _STEP_RE.fullmatch(entry.name)
             if not m or not entry.is_dir():
                 continue
             ranks = []
@@ -117,7 +132,7 @@ class NodeStore:
             for f in files:
                 if f.name == MANIFEST:
                     committed = True
-                elif sm := _SHARD_RE.match(f.name):
+                elif sm := _SHARD_RE.fullmatch(f.name):
                     ranks.append(int(sm.group(1)))
             out.append(StepInfo(int(m.group(1)), committed, tuple(sorted(ranks))))
         out.sort(key=lambda s: s.step, reverse=True)
@@ -145,7 +160,7 @@ class NodeStore:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         tmp = path.with_name(f".{MANIFEST}.tmp{os.getpid()}")
         try:
-            with open(tmp, "wb") as f:
+            with open(tmp, "wb", opener=_private) as f:
                 f.write(manifest.to_json().encode())
                 f.flush()
                 os.fsync(f.fileno())
@@ -184,7 +199,18 @@ class NodeStore:
             start, crc = decode_footer(f.read(FOOTER_SIZE), size=size, where=str(path))
             f.seek(start)
             body = f.read(size - FOOTER_SIZE - start)
-        return decode_index(body, crc=crc, size=size, where=str(path)), size, crc
+        index = decode_index(body, crc=crc, size=size, where=str(path))
+        if index.job != self.job:
+            raise ManifestError(
+                f"{path} belongs to job {index.job!r}, not {self.job!r}: a store directory must not be "
+                "shared between jobs; move it away or use another job name"
+            )
+        if (index.step, index.rank) != (step, rank):
+            raise ManifestError(
+                f"{path} holds the shard of rank {index.rank} at step {index.step}, not of rank {rank} "
+                f"at step {step}; the file was moved or forged"
+            )
+        return index, size, crc
 
     def verify_shard(self, step: int, record: ShardRecord, chunks: set[int] | None = None) -> None:
         """Check a local shard file against its manifest record: size, every chunk's crc32c (or
@@ -241,6 +267,14 @@ class NodeStore:
             for f in sorted(os.listdir(self.slots_dir)):
                 if f.startswith(prefix):
                     yield self.slots_dir / f
+
+
+def _private(path: str, flags: int) -> int:
+    """``opener`` for files of the store: created 0o600 whatever the umask (open's default is
+    0o666 minus the umask: world-readable with umask 0)."""
+    fd = os.open(path, flags, 0o600)
+    os.fchmod(fd, 0o600)  # a leftover file of the same name keeps its mode otherwise
+    return fd
 
 
 class Slot:

@@ -7,6 +7,7 @@
   module that imports boto3.
 
 Keys are relative, ``/``-separated, and may never contain ``..`` or start with ``/``.
+Credentials never go into a URL (they would end up in events and logs): boto3 finds them.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ __all__ = [
     "StoreStats",
     "open_store",
     "check_key",
+    "redact_url",
 ]
 
 
@@ -59,13 +61,30 @@ class StoreStats:
     retry_reasons: dict[str, int] = field(default_factory=dict)
 
 
-_KEY_RE = re.compile(r"^[A-Za-z0-9._\-]+(/[A-Za-z0-9._\-]+)*$")
+_KEY_RE = re.compile(r"[A-Za-z0-9._\-]+(/[A-Za-z0-9._\-]+)*")  # fullmatch: no trailing newline
 
 
 def check_key(key: str) -> str:
-    if not isinstance(key, str) or not _KEY_RE.match(key) or any(p in ("..", ".") for p in key.split("/")):
-        raise AegisError(f"invalid object key {key!r}: relative, '/'-separated, no '..'")
+    if not isinstance(key, str) or not _KEY_RE.fullmatch(key) or any(p in ("..", ".") for p in key.split("/")):
+        raise AegisError(
+            f"invalid object key {key!r}: relative, '/'-separated ASCII letters, digits, '.', '_' "
+            "and '-', no '.' or '..' parts"
+        )
     return key
+
+
+def _mkdir_private(path: Path) -> None:
+    """``mkdir -p`` with every directory it creates 0o700 (``Path.mkdir(parents=True)`` gives the
+    missing parents the default mode, 0o777 minus the umask)."""
+    missing = []
+    while not path.is_dir():
+        missing.append(path)
+        if path.parent == path:
+            break
+        path = path.parent
+    for d in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # another writer made it meanwhile
+            d.mkdir(mode=0o700)
 
 
 class ObjectStore(abc.ABC):
@@ -119,7 +138,7 @@ class FileStore(ObjectStore):
 
     def check(self) -> None:
         try:
-            self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+            _mkdir_private(self.root)
             probe = self.root / f".aegis-probe-{os.getpid()}"
             probe.write_bytes(b"ok")
             probe.unlink()
@@ -128,9 +147,9 @@ class FileStore(ObjectStore):
 
     def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> None:
         path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        _mkdir_private(path.parent)
         tmp = path.with_name(f".{path.name}.tmp{os.getpid()}-{id(data)}")
-        with open(tmp, "wb") as f:
+        with open(tmp, "wb", opener=lambda p, flags: os.open(p, flags, 0o600)) as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -204,17 +223,38 @@ class FileStore(ObjectStore):
             self.stats.requests += 1
 
 
+def redact_url(url: str) -> str:
+    """``url`` with anything that may be ``user:password@`` replaced by ``***@``: safe to print.
+
+    Everything up to the last ``@`` goes: a secret key may hold a ``/`` (AWS secrets often do), so
+    where the authority ends cannot be trusted."""
+    if "@" not in url:
+        return url
+    scheme, sep, _ = url.partition("://")
+    return (f"{scheme}{sep}" if sep else "") + "***@" + url.rpartition("@")[2]
+
+
 def open_store(url: str, **options: object) -> ObjectStore:
     """The object store for ``url``: ``file:///abs/path`` or ``s3://bucket[/prefix]``."""
     parsed = urlparse(url)
+    shown = redact_url(url)
+    if parsed.scheme == "s3" and ("@" in url or ":" in parsed.netloc):
+        raise ConfigError(
+            f"durable url {shown!r}: credentials must not be part of the URL (it is written to events "
+            "and logs), and a bucket name holds no '@' or ':'; give credentials to boto3 instead: "
+            "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE or an instance role"
+        )
     if parsed.scheme == "file":
         if parsed.netloc not in ("", "localhost"):
-            raise ConfigError(f"durable url {url!r}: use file:///absolute/path")
+            raise ConfigError(
+                f"durable url {shown!r}: use file:///absolute/path (a local directory: no host, no "
+                "credentials)"
+            )
         return FileStore(parsed.path)
     if parsed.scheme == "s3":
         from aegis.snapshot.s3 import S3Store
 
         if not parsed.netloc:
-            raise ConfigError(f"durable url {url!r}: missing bucket (s3://bucket/prefix)")
+            raise ConfigError(f"durable url {shown!r}: missing bucket (s3://bucket/prefix)")
         return S3Store(parsed.netloc, parsed.path.strip("/"), **options)  # type: ignore[arg-type]
-    raise ConfigError(f"durable url {url!r}: unsupported scheme; use file:///path or s3://bucket/prefix")
+    raise ConfigError(f"durable url {shown!r}: unsupported scheme; use file:///path or s3://bucket/prefix")

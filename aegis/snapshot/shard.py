@@ -41,6 +41,7 @@ from aegis.snapshot.manifest import (
     dtype_name,
     item_from_doc,
     item_to_doc,
+    load_json,
 )
 
 __all__ = [
@@ -210,14 +211,15 @@ def decode_footer(footer: bytes, *, size: int, where: str) -> tuple[int, int]:
 
 
 def decode_index(body: bytes, *, crc: int, size: int, where: str) -> ShardIndex:
+    """Parse the index ``body`` of a shard of ``size`` bytes, which ends with ``body`` and the
+    footer; the data region (every chunk) must end where the index begins."""
     if crc32c(body) != crc:
         raise ManifestError(f"{where}: shard index fails its crc32c check; the shard is damaged")
     p = _Parser(where)
-    try:
-        d = p.obj(json.loads(body), "shard index")
-    except ValueError as e:
-        raise ManifestError(f"{where}: shard index is not valid JSON ({e})") from e
-    version = p.int_(d.get("format_version"), "format_version")
+    d = p.obj(load_json(body, what="shard index", where=where), "shard index")
+    if "format_version" not in d:
+        raise p.fail("shard index is missing field(s) ['format_version']")
+    version = p.int_(d["format_version"], "format_version", lo=1)
     if version > FORMAT_VERSION:
         raise ManifestError(
             f"{where}: shard written by a newer aegis (format {version} > {FORMAT_VERSION}); upgrade aegis"
@@ -227,6 +229,13 @@ def decode_index(body: bytes, *, crc: int, size: int, where: str) -> ShardIndex:
     chunks = tuple(chunk_from_doc(p, c, f"chunks[{i}]") for i, c in enumerate(p.list_(d["chunks"], "chunks")))
     items = tuple(item_from_doc(p, it, f"items[{i}]") for i, it in enumerate(p.list_(d["items"], "items")))
     check_layout(p, size, chunks, items, "shard")
+    index_start = size - FOOTER_SIZE - len(body)
+    data_end = chunks[-1].offset + chunks[-1].length if chunks else 0
+    if data_end > index_start:
+        raise ManifestError(
+            f"{where}: shard chunks end at byte {data_end}, which overlaps the shard index and footer "
+            f"(they start at byte {index_start}); the shard is damaged or forged"
+        )
     return ShardIndex(
         job=p.str_(d["job"], "job"),
         step=p.int_(d["step"], "step"),
