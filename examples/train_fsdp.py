@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -343,20 +344,21 @@ class ResumableSampler:
 # --------------------------------------------------------------------------------------------
 
 
-def init_distributed(device: str) -> tuple[int, int, int, str | None]:
+def init_distributed(device: str, timeout_s: float | None = None) -> tuple[int, int, int, str | None]:
     """Initialise the default process group; returns (rank, world, local_rank, filestore path).
 
     Under torchrun the env:// rendezvous is used. Without it a world-1 group is created on a
     temporary FileStore (the returned path, to delete at the end).
     """
     backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
+    kw: dict[str, Any] = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         rank = int(os.environ["RANK"])
         world = int(os.environ["WORLD_SIZE"])
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         if device == "cuda":
             torch.cuda.set_device(local_rank)
-        dist.init_process_group(backend=backend)
+        dist.init_process_group(backend=backend, **kw)
         return rank, world, local_rank, None
     if device == "cuda":
         torch.cuda.set_device(0)
@@ -364,7 +366,7 @@ def init_distributed(device: str) -> tuple[int, int, int, str | None]:
     os.close(fd)
     os.unlink(path)  # FileStore creates it
     store = dist.FileStore(path, 1)
-    dist.init_process_group(backend=backend, store=store, rank=0, world_size=1)
+    dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, **kw)
     return 0, 1, 0, path
 
 
@@ -451,6 +453,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--replicas", type=int, default=1, help="aegis replicas on other nodes")
     p.add_argument("--durable", default=None, help="aegis durable tier URL (file:// or s3://)")
     p.add_argument("--durable-every", type=int, default=10, help="upload every N steps")
+    p.add_argument("--durable-keep-last", type=int, default=None,
+                   help="durable retention: keep the newest N steps (default: aegis' default)")
+    p.add_argument("--durable-max-pending", type=int, default=None,
+                   help="uploads queued behind the running one before further ones are skipped")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="aegis: bound on every snapshot collective, seconds (default 300)")
+    p.add_argument("--pg-timeout", type=float, default=None,
+                   help="timeout of the training process group's collectives, seconds (a peer "
+                   "silent for longer fails the step, and torchrun restarts the job without it)")
     p.add_argument(
         "--digest-log",
         default=None,
@@ -481,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         torch.use_deterministic_algorithms(True)
 
-    rank, world, local_rank, store_path = init_distributed(args.device)
+    rank, world, local_rank, store_path = init_distributed(args.device, args.pg_timeout)
     try:
         return _train(args, rank, world, local_rank)
     finally:
@@ -537,6 +548,11 @@ def _train(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> 
             store_dir=args.store_dir,
             durable=args.durable,
             durable_every=args.durable_every,
+            **{k: v for k, v in {
+                "durable_keep_last": args.durable_keep_last,
+                "durable_max_pending": args.durable_max_pending,
+                "timeout": timedelta(seconds=args.timeout) if args.timeout else None,
+            }.items() if v is not None},
         )
         t0 = time.perf_counter()
         start = mgr.restore()
@@ -570,12 +586,14 @@ def _train(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> 
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             loss = global_mean(loss_t, world)
+            if args.digest_log and step % args.every == 0:
+                # Before save(): a step can be committed even if this process is then lost (the
+                # digest is itself a collective that a lost peer would block).
+                write_digest(args.digest_log, "saved", step, model, optimizer, scheduler, sampler)
             t1 = time.perf_counter()
             if mgr is not None:
                 mgr.save(step)
             t2 = time.perf_counter()
-            if args.digest_log and step % args.every == 0:
-                write_digest(args.digest_log, "saved", step, model, optimizer, scheduler, sampler)
             if rank == 0:
                 print(
                     f"step {step:>6}/{args.steps} loss {loss:.6f} lr {lr:.3e} "

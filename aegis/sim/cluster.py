@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from aegis.sim.netns import NetnsNetwork
 from aegis.sim.procs import descendants, kill_tree, wait_gone
 
 __all__ = ["SimCluster", "SimNode", "free_port"]
@@ -46,8 +47,10 @@ class SimNode:
     store_dir: Path
     log: Path
     proc: subprocess.Popen[bytes]
+    index: int = 0
     started: float = field(default_factory=time.time)
     killed: float | None = None
+    addr: str = "127.0.0.1"
 
     @property
     def alive(self) -> bool:
@@ -62,7 +65,7 @@ _STORE_MAIN = """
 import signal, sys, time
 from datetime import timedelta
 from torch.distributed import TCPStore
-store = TCPStore("127.0.0.1", int(sys.argv[1]), is_master=True, wait_for_workers=False,
+store = TCPStore(sys.argv[2], int(sys.argv[1]), is_master=True, wait_for_workers=False,
                  timeout=timedelta(seconds=600))
 print("ready", flush=True)
 signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
@@ -75,6 +78,9 @@ class SimCluster:
     """N simulated nodes running ``command`` (a script and its arguments) under torchrun.
 
     ``min_nodes < nodes`` lets the world shrink when a node is lost and no replacement comes.
+    ``network``: give every node its own network namespace (see :mod:`aegis.sim.netns`), so
+    that its link can be cut. ``store_tmpfs_bytes``: mount a tmpfs of that size as each node's
+    store (root only), so that one node's store can fill up.
     """
 
     def __init__(
@@ -91,6 +97,8 @@ class SimCluster:
         max_restarts: int = 20,
         env: dict[str, str] | None = None,
         last_call_timeout: int = 1,
+        network: NetnsNetwork | None = None,
+        store_tmpfs_bytes: int | None = None,
     ) -> None:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -104,16 +112,20 @@ class SimCluster:
         self.max_restarts = max_restarts
         self.env = env or {}
         self.last_call_timeout = last_call_timeout
+        self.network = network
+        self.store_tmpfs_bytes = store_tmpfs_bytes
+        self.host = network.hub if network else "127.0.0.1"
         self.port = free_port()
         self.nodes: dict[str, SimNode] = {}
         self._next = 0
+        self.generation = 0
         self._store: subprocess.Popen[bytes] | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
 
     def start(self) -> SimCluster:
         self._store = subprocess.Popen(
-            [sys.executable, "-c", _STORE_MAIN, str(self.port)],
+            [sys.executable, "-c", _STORE_MAIN, str(self.port), self.host],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
         )
         assert self._store.stdout is not None
@@ -126,27 +138,59 @@ class SimCluster:
 
     def add_node(self) -> SimNode:
         """Start a node with a new id and an empty node store (a replacement, or the first)."""
-        node_id = f"node-{self._next}"
+        index = self._next
+        node_id = f"node-{index}"
         self._next += 1
         store_dir = self.store_root / node_id
         shutil.rmtree(store_dir, ignore_errors=True)
         store_dir.mkdir(parents=True, mode=0o700)
+        if self.store_tmpfs_bytes:
+            subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={self.store_tmpfs_bytes},mode=0700",
+                            "tmpfs", str(store_dir)], check=True)
+        addr = "127.0.0.1"
+        if self.network is not None:
+            addr = self.network.add(index).addr
+        return self._launch(node_id, index, store_dir, addr)
+
+    def relaunch(self) -> list[str]:
+        """Start a new agent on every node whose agent exited (not killed), keeping its node
+        store and address, under a new rendezvous id: what a job scheduler does when it requeues
+        the job (torchrun closes a rendezvous for good once one of its agents fails)."""
+        self.generation += 1
+        out = []
+        for node_id, node in list(self.nodes.items()):
+            if node.killed is None and not node.alive:
+                self._launch(node_id, node.index, node.store_dir, node.addr)
+                out.append(node_id)
+        return out
+
+    @property
+    def rdzv_id(self) -> str:
+        return self.job if not self.generation else f"{self.job}-{self.generation}"
+
+    def _launch(self, node_id: str, index: int, store_dir: Path, addr: str) -> SimNode:
+        prefix: list[str] = []
+        extra_env: dict[str, str] = {}
+        if self.network is not None:
+            prefix = self.network.exec_prefix(index)
+            extra_env["GLOO_SOCKET_IFNAME"] = "eth0"
         log = self.workdir / f"{node_id}.log"
         rdzv_conf = (
             f"is_host=false,join_timeout=300,last_call_timeout={self.last_call_timeout},"
-            "close_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=3"
+            "close_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=3,read_timeout=30"
         )
         cmd = [
+            *prefix,
             sys.executable, "-m", "torch.distributed.run",
             f"--nnodes={self.min_nodes}:{self.max_nodes}",
             f"--nproc_per_node={self.nproc}",
             "--rdzv_backend=c10d",
-            f"--rdzv_endpoint=127.0.0.1:{self.port}",
-            f"--rdzv_id={self.job}",
+            f"--rdzv_endpoint={self.host}:{self.port}",
+            f"--rdzv_id={self.rdzv_id}",
             f"--rdzv_conf={rdzv_conf}",
             f"--max_restarts={self.max_restarts}",
             "--monitor_interval=0.1",
-            "--local_addr=127.0.0.1",
+            f"--local_addr={addr}",
             *self.command,
         ]
         env = {
@@ -158,12 +202,13 @@ class SimCluster:
             "OMP_NUM_THREADS": "1",
             "PYTHONWARNINGS": "ignore",
             "PYTHONUNBUFFERED": "1",
+            **extra_env,
             **self.env,
         }
         with open(log, "ab") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                                     start_new_session=True)
-        node = SimNode(node_id, store_dir, log, proc)
+        node = SimNode(node_id, store_dir, log, proc, index=index, addr=addr)
         self.nodes[node_id] = node
         return node
 
@@ -177,8 +222,16 @@ class SimCluster:
         with contextlib.suppress(Exception):
             node.proc.wait(timeout=5)
         if delete_store:
-            shutil.rmtree(node.store_dir, ignore_errors=True)
+            self._drop_store(node)
+        if self.network is not None:
+            self.network.remove(node.index)
         return t
+
+    def _drop_store(self, node: SimNode) -> None:
+        shutil.rmtree(node.store_dir, ignore_errors=True)
+        if self.store_tmpfs_bytes:
+            subprocess.run(["umount", "-l", str(node.store_dir)], check=False, capture_output=True)
+            shutil.rmtree(node.store_dir, ignore_errors=True)
 
     def stop_node(self, node_id: str) -> list[int]:
         """SIGSTOP a node's processes (a frozen node, not a dead one); returns the pids."""
@@ -218,6 +271,12 @@ class SimCluster:
         if self._store is not None and self._store.poll() is None:
             self._store.kill()
             self._store.wait(timeout=5)
+        if self.store_tmpfs_bytes:
+            for node in self.nodes.values():
+                subprocess.run(["umount", "-l", str(node.store_dir)], check=False, capture_output=True)
+        if self.network is not None:
+            for node in self.nodes.values():
+                self.network.remove(node.index)
         if remove_stores:
             shutil.rmtree(self.store_root, ignore_errors=True)
 

@@ -1,0 +1,724 @@
+"""The chaos campaign: a seeded schedule of faults against a training job on the simulated
+cluster, with the invariants checked after every fault.
+
+    python -m tests.chaos.campaign --seed 1 --faults 50      # `make chaos`
+
+The reference trainer runs on 3 simulated nodes (min 2: the world may shrink) with a memory
+snapshot every step, one replica, and durable uploads to a loopback S3 server (moto) behind a
+TCP forwarder. Each node has its own network namespace (when the machine allows it) and its own
+small tmpfs node store. Fault kinds:
+
+* ``kill``        SIGKILL of a random node at a random moment (agent, workers, node store); a
+                  replacement joins, or the world shrinks (and grows back later);
+* ``freeze``      SIGSTOP of a node's processes for longer than the snapshot timeout, then
+                  SIGCONT: a frozen peer, not a dead one;
+* ``partition``   a node's link cut (its bridge port down), then restored;
+* ``s3_outage``   the S3 endpoint down (connections refused and reset) or hung (the server
+                  SIGSTOPped), then back;
+* ``store_full``  a node's tmpfs node store filled to the last byte, then freed;
+* ``double_kill`` a second node lost while the job recovers from the first loss.
+
+Invariants, checked from the trainer's logs, the aegis events and the stores:
+
+1. the job resumes after every fault and keeps training;
+2. every restore loads a step that was committed before it (memory or durable), never older than
+   the newest committed durable step, and its state is bitwise equal to a state the job saved at
+   that step (full-state crc32c logged by the trainer after every save and restore); after a
+   single node loss it is the newest step committed on the survivors;
+3. while the job never changed its world size, every saved state is bitwise equal to the state
+   an uninterrupted reference run had at that step;
+4. the newest committed durable step is never deleted (polled throughout);
+5. no orphaned processes: every process of the campaign belongs to a live agent, and none
+   remains at the end;
+6. a full node store or an unreachable object store never stops training: no restart, the
+   memory snapshot is skipped (full store) or uploads are skipped and later catch up (S3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aegis.sim.cluster import SimCluster, free_port
+from aegis.sim.netns import NetnsNetwork, netns_available
+from aegis.sim.procs import descendants, kill_tree, wait_gone
+from aegis.sim.scenario import TRAINER, read_events, read_jsonl, wait_exited
+from aegis.snapshot.node_store import NodeStore
+
+KINDS = ("kill", "freeze", "partition", "s3_outage", "store_full", "double_kill")
+RESTART_KINDS = ("kill", "double_kill")
+S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+          "AWS_DEFAULT_REGION": "us-east-1"}
+BUCKET = "aegis-chaos"
+
+
+@dataclass
+class Config:
+    seed: int = 1
+    faults: int = 50
+    kinds: tuple[str, ...] = KINDS
+    nodes: int = 3
+    workdir: Path = Path("/tmp/aegis-chaos")
+    snapshot_timeout: float = 6.0  # aegis Manager(timeout=)
+    pg_timeout: float = 12.0  # the training process group's collectives
+    step_sleep: float = 0.05
+    durable_every: int = 4
+    durable_keep_last: int = 2
+    durable_max_pending: int = 1
+    store_tmpfs_mb: int = 48
+    steady_steps: int = 3  # steps at full world between faults
+    fault_timeout: float = 240.0  # a fault not resolved by then is a violation
+    reference_steps: int = 60
+    network: bool = True  # network namespaces, when the machine allows them
+
+
+@dataclass
+class FaultRecord:
+    index: int
+    kind: str
+    node: str
+    detail: str
+    t_start: float
+    t_end: float = 0.0
+    t_resolved: float = 0.0
+    step_before: int = 0  # last step logged before the fault
+    restarts: int = 0
+    relaunches: int = 0  # whole-job requeues (an agent exited and closed the rendezvous)
+    restored: list[int] = field(default_factory=list)
+    tiers: list[str] = field(default_factory=list)
+    resume_s: float | None = None  # fault -> first step after the first restore
+    lost_steps: int | None = None
+    max_step_gap_s: float = 0.0
+    checks: list[tuple[str, bool]] = field(default_factory=list)
+
+    @property
+    def violations(self) -> list[str]:
+        return [what for what, ok in self.checks if not ok]
+
+
+class Campaign:
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.rng = random.Random(cfg.seed)
+        self.work = Path(cfg.workdir)
+        self.marker = f"chaos-{uuid.uuid4().hex[:8]}"
+        self.records: list[FaultRecord] = []
+        self.relaunches: list[tuple[float, list[str]]] = []
+        self.global_checks: list[tuple[str, bool]] = []
+        self.net: NetnsNetwork | None = None
+        self.net_reason: str | None = None
+        self.cluster: SimCluster | None = None
+        self.moto: subprocess.Popen[bytes] | None = None
+        self.proxy: Any = None
+        self.reference: dict[int, str] = {}
+        self._durable_max = -1
+        self._durable_violations: list[str] = []
+        self._durable_polls = 0
+        self._monitor_stop = threading.Event()
+        self._monitor_paused = threading.Event()
+        self.loss_log = self.work / "loss.jsonl"
+        self.digest_log = self.work / "digest.jsonl"
+        self.job = "chaos"
+
+    # -- infrastructure ------------------------------------------------------------------------
+
+    def _start_s3(self) -> None:
+        from tests.chaos.tcp_proxy import TcpProxy
+
+        host = self.net.hub if self.net else "127.0.0.1"
+        mport, pport = free_port(), free_port()
+        moto = Path(sys.executable).with_name("moto_server")
+        self.moto = subprocess.Popen([str(moto), "-H", host, "-p", str(mport)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     env={**os.environ, "AEGIS_CHAOS": self.marker})
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection((host, mport), timeout=0.5).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("moto_server did not start") from None
+                time.sleep(0.1)
+        self.moto_url = f"http://{host}:{mport}"
+        self.proxy = TcpProxy((host, pport), (host, mport))
+        self.proxy.up()
+        self.s3_url = f"http://{host}:{pport}"
+        import boto3
+
+        boto3.client("s3", endpoint_url=self.moto_url, **_boto_kw()).create_bucket(Bucket=BUCKET)
+
+    def _durable_store(self) -> Any:
+        from aegis.snapshot.retry import RetryPolicy
+        from aegis.snapshot.s3 import S3Store
+
+        return S3Store(BUCKET, "chaos", endpoint_url=self.moto_url, connect_timeout_s=2,
+                       read_timeout_s=5, retry=RetryPolicy(max_attempts=2, max_total_s=5))
+
+    def _monitor(self) -> None:
+        """Invariant 4: the newest committed durable step seen so far is always still there."""
+        from aegis.snapshot.durable import list_steps
+
+        store = self._durable_store()
+        while not self._monitor_stop.wait(0.3):
+            if self._monitor_paused.is_set():
+                continue
+            try:
+                committed, _ = list_steps(store, self.job)
+            except Exception:  # noqa: BLE001 - the server is being faulted
+                continue
+            self._durable_polls += 1
+            if self._durable_max >= 0 and self._durable_max not in committed:
+                # a newer commit can only add: the newest one seen must still be listed
+                self._durable_violations.append(
+                    f"durable step {self._durable_max} (the newest committed seen) is gone: {committed}")
+            if committed:
+                self._durable_max = max(self._durable_max, committed[-1])
+
+    def _trainer_args(self, steps: int, job: str, loss: Path, digest: Path) -> list[str]:
+        c = self.cfg
+        return [TRAINER, "--config", "tiny", "--steps", str(steps), "--dropout", "0.1",
+                "--job", job, "--every", "1", "--replicas", "1", "--keep", "2",
+                "--durable", f"s3://{BUCKET}/chaos", "--durable-every", str(c.durable_every),
+                "--durable-keep-last", str(c.durable_keep_last),
+                "--durable-max-pending", str(c.durable_max_pending),
+                "--timeout", str(c.snapshot_timeout), "--pg-timeout", str(c.pg_timeout),
+                "--loss-log", str(loss), "--digest-log", str(digest),
+                "--step-sleep", str(c.step_sleep)]
+
+    def _env(self) -> dict[str, str]:
+        return {**S3_ENV, "AWS_ENDPOINT_URL": self.s3_url, "AEGIS_CHAOS": self.marker}
+
+    def _run_reference(self) -> None:
+        """Invariant 3's reference: the same job, uninterrupted, for reference_steps steps."""
+        ref = self.work / "reference"
+        loss, digest = ref / "loss.jsonl", ref / "digest.jsonl"
+        cl = SimCluster(ref, self._trainer_args(100_000, "reference", loss, digest),
+                        nodes=self.cfg.nodes, job="reference", env=self._env())
+        try:
+            cl.start()
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline:
+                losses = read_jsonl(loss)
+                if losses and losses[-1]["step"] >= self.cfg.reference_steps:
+                    break
+                time.sleep(0.2)
+            else:
+                raise RuntimeError(f"the reference run did not reach step {self.cfg.reference_steps}")
+        finally:
+            cl.shutdown()
+        self.reference = {d["step"]: d["digest"] for d in read_jsonl(digest) if d["phase"] == "saved"}
+
+    # -- the campaign --------------------------------------------------------------------------
+
+    def schedule(self) -> list[str]:
+        kinds = list(self.cfg.kinds)
+        out: list[str] = []
+        while len(out) < self.cfg.faults:
+            self.rng.shuffle(kinds)
+            out.extend(kinds)
+        return out[: self.cfg.faults]
+
+    def run(self) -> dict[str, Any]:
+        cfg = self.cfg
+        for k, v in S3_ENV.items():  # the invariant monitor reads the bucket too
+            os.environ.setdefault(k, v)
+        shutil.rmtree(self.work, ignore_errors=True)
+        self.work.mkdir(parents=True)
+        kinds = list(cfg.kinds)
+        if cfg.network:
+            self.net_reason = netns_available()
+        else:
+            self.net_reason = "disabled (--no-network)"
+        if self.net_reason is None:
+            self.net = NetnsNetwork().setup()
+        elif "partition" in kinds:
+            kinds.remove("partition")  # reported in the summary, not silently passed
+        full_ok = os.geteuid() == 0
+        if not full_ok and "store_full" in kinds:
+            kinds.remove("store_full")
+        cfg.kinds = tuple(kinds)
+        t0 = time.time()
+        monitor = threading.Thread(target=self._monitor, daemon=True)
+        try:
+            self._start_s3()
+            self._run_reference()
+            self.cluster = SimCluster(
+                self.work, self._trainer_args(100_000, self.job, self.loss_log, self.digest_log),
+                nodes=cfg.nodes, min_nodes=cfg.nodes - 1, max_nodes=cfg.nodes, job=self.job,
+                env=self._env(), network=self.net,
+                store_tmpfs_bytes=cfg.store_tmpfs_mb << 20 if full_ok else None,
+            )
+            self.cluster.start()
+            monitor.start()
+            self._wait_steady(time.time(), first=True)
+            for i, kind in enumerate(self.schedule()):
+                rec = self._inject(i, kind)
+                self.records.append(rec)
+                print(self._line(rec), flush=True)
+                if any("did not resume" in v for v in rec.violations):
+                    break
+        finally:
+            self._monitor_stop.set()
+            if self.cluster is not None:
+                self.cluster.shutdown()
+            if self.proxy is not None:
+                self.proxy.down()
+            if self.moto is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.moto.pid, signal.SIGCONT)
+                self.moto.terminate()
+                with contextlib.suppress(Exception):
+                    self.moto.wait(timeout=10)
+            if self.net is not None:
+                self.net.teardown()
+        monitor.join(timeout=5)
+        left = wait_marker_gone(self.marker, 20)
+        self.global_checks.append((f"no process of the campaign remains at the end ({left})", not left))
+        self.global_checks.append((
+            f"the newest committed durable step was never deleted ({self._durable_polls} polls, "
+            f"newest seen {self._durable_max}) {self._durable_violations[:3]}",
+            not self._durable_violations and self._durable_polls > 0,
+        ))
+        self._check_reference()
+        return self.summary(time.time() - t0)
+
+    # -- faults ----------------------------------------------------------------------------------
+
+    def _inject(self, i: int, kind: str) -> FaultRecord:
+        cl = self.cluster
+        assert cl is not None
+        node = self.rng.choice(self._participants())
+        delay = self.rng.uniform(0.0, 1.0)  # a random moment within the next step or so
+        step_before = self._last_step()
+        time.sleep(delay)
+        t = time.time()
+        rec = FaultRecord(i + 1, kind, node, "", t, step_before=step_before)
+        if kind == "kill":
+            replace = self.rng.random() < 0.6 or len(self._participants()) <= cl.min_nodes
+            survivors = [n for n in self._participants() if n != node]
+            old = {p for n in survivors for p in cl.nodes[n].workers()}
+            rec.t_start = cl.kill_node(node)
+            if replace:
+                cl.add_node()
+            wait_exited(old, 60)
+            committed = sorted({s.step for n in survivors
+                                for s in NodeStore(cl.nodes[n].store_dir, self.job).steps() if s.committed})
+            rec.detail = f"{'replacement' if replace else 'shrink'}; survivors held {committed[-2:]}"
+            rec.t_end = time.time()
+            self._resolve(rec, expect_restart=True, newest=committed[-1] if committed else None)
+        elif kind == "double_kill":
+            other = self.rng.choice([n for n in self._participants() if n != node])
+            survivors = [n for n in self._participants() if n not in (node, other)]
+            old = {p for n in survivors + [other] for p in cl.nodes[n].workers()}
+            rec.t_start = cl.kill_node(node)
+            cl.add_node()
+            wait_exited(old, 60)  # the first recovery has begun
+            gap = self.rng.uniform(0.0, 3.0)
+            time.sleep(gap)
+            cl.kill_node(other)
+            cl.add_node()
+            rec.detail = f"then {other} {gap:.1f} s into the recovery; replacements join"
+            rec.t_end = time.time()
+            self._resolve(rec, expect_restart=True)
+        elif kind == "freeze":
+            dur = self.rng.uniform(self.cfg.snapshot_timeout + 2, self.cfg.pg_timeout + 8)
+            pids = cl.stop_node(node)
+            time.sleep(dur)
+            cl.cont_node(pids)
+            rec.detail = f"SIGSTOP for {dur:.1f} s (snapshot timeout {self.cfg.snapshot_timeout:.0f} s)"
+            rec.t_end = time.time()
+            self._resolve(rec, expect_restart=None)
+        elif kind == "partition":
+            assert self.net is not None
+            dur = self.rng.uniform(self.cfg.snapshot_timeout + 2, self.cfg.pg_timeout + 8)
+            self.net.cut(cl.nodes[node].index)
+            time.sleep(dur)
+            if node in self.net_nodes():
+                self.net.heal(cl.nodes[node].index)
+            rec.detail = f"link down for {dur:.1f} s"
+            rec.t_end = time.time()
+            self._resolve(rec, expect_restart=None)
+        elif kind == "s3_outage":
+            dur = self.rng.uniform(8.0, 20.0)
+            mode = self.rng.choice(["down", "hang"])
+            rec.node = "s3"
+            self._monitor_paused.set()
+            if mode == "down":
+                self.proxy.down()
+            else:
+                assert self.moto is not None
+                os.kill(self.moto.pid, signal.SIGSTOP)
+            time.sleep(dur)
+            if mode == "down":
+                self.proxy.up()
+            else:
+                assert self.moto is not None
+                os.kill(self.moto.pid, signal.SIGCONT)
+            self._monitor_paused.clear()
+            rec.detail = f"endpoint {'down (refused/reset)' if mode == 'down' else 'hung (SIGSTOP)'} for {dur:.1f} s"
+            rec.t_end = time.time()
+            self._resolve(rec, expect_restart=False)
+            self._check_uploads_caught_up(rec)
+        elif kind == "store_full":
+            dur = self.rng.uniform(2.0, 6.0)
+            store = cl.nodes[node].store_dir
+            ballast = fill(store)
+            time.sleep(dur)
+            with contextlib.suppress(FileNotFoundError):
+                ballast.unlink()
+            rec.detail = f"tmpfs store full for {dur:.1f} s"
+            rec.t_end = time.time()
+            self._resolve(rec, expect_restart=False)
+            skipped = [e for e in self._events() if e["event"] == "snapshot" and e.get("skipped")
+                       and rec.t_start <= e["time"] <= rec.t_end + 2]
+            rec.checks.append((f"memory snapshots were skipped while full ({len(skipped)} events)", bool(skipped)))
+        return rec
+
+    def net_nodes(self) -> list[str]:
+        assert self.cluster is not None and self.net is not None
+        return [n for n, nd in self.cluster.nodes.items() if nd.index in self.net.nodes]
+
+    # -- resolution and checks -----------------------------------------------------------------
+
+    def _resolve(self, rec: FaultRecord, *, expect_restart: bool | None, newest: int | None = None) -> None:
+        """Wait until the job trains again at full size; then check this fault's invariants."""
+        cl = self.cluster
+        assert cl is not None
+        ok = self._wait_steady(rec.t_start)
+        rec.t_resolved = time.time()
+        if not ok:
+            rec.checks.append((f"the job did not resume within {self.cfg.fault_timeout:.0f} s", False))
+            return
+        events = [e for e in self._events() if rec.t_start <= e["time"] <= rec.t_resolved]
+        losses = [x for x in read_jsonl(self.loss_log) if x["time"] <= rec.t_resolved]
+        starts = sorted({round(e["time"]) for e in events if e["event"] == "start" and e["rank"] == 0})
+        restores = [e for e in events if e["event"] == "restore" and e["rank"] == 0 and e.get("found")]
+        rec.restarts = len(starts)
+        rec.relaunches = sum(1 for t, _ in self.relaunches if rec.t_start <= t <= rec.t_resolved)
+        rec.restored = [e["step"] for e in restores]
+        rec.tiers = sorted({s["tier"] for e in events if e["event"] == "restore" and e.get("found")
+                            for s in e.get("sources", [])})
+        during = [x for x in losses if x["time"] >= rec.t_start]
+        times = [rec.t_start] + [x["time"] for x in during]
+        rec.max_step_gap_s = max((b - a for a, b in zip(times, times[1:], strict=False)), default=0.0)
+        if restores:
+            first = restores[0]
+            after = [x for x in losses if x["time"] > first["time"]]
+            if after:
+                rec.resume_s = after[0]["time"] - rec.t_start
+            before = [x["step"] for x in losses if x["time"] < first["time"]]
+            rec.lost_steps = (max(before) if before else 0) - first["step"]
+        if expect_restart is True:
+            rec.checks.append(("the job restarted and restored a snapshot", bool(restores)))
+        elif expect_restart is False:
+            rec.checks.append((f"training never stopped: no restart ({rec.restarts}), longest step gap "
+                               f"{rec.max_step_gap_s:.1f} s", rec.restarts == 0))
+        if newest is not None and restores:
+            rec.checks.append((f"restored step {restores[0]['step']} = newest committed on the survivors {newest}",
+                               restores[0]["step"] == newest))
+        self._check_restores(rec, [e for e in events if e["event"] == "restore" and e.get("found")])
+        orphans = self._orphans()
+        rec.checks.append((f"no orphaned processes ({orphans})", not orphans))
+
+    def _check_restores(self, rec: FaultRecord, restores: list[dict[str, Any]]) -> None:
+        all_events = self._events()
+        digests = read_jsonl(self.digest_log)
+        for e in restores:
+            if e["rank"] != 0:
+                continue
+            t, step = e["time"], e["step"]
+            committed = [x for x in all_events if x["time"] < t and x.get("step") == step and (
+                (x["event"] == "snapshot" and x.get("committed") and x["rank"] == 0)
+                or (x["event"] == "upload" and x.get("committed") and x["rank"] == 0))]
+            rec.checks.append((f"restored step {step} was committed before the restore", bool(committed)))
+            durable = [x["step"] for x in all_events if x["time"] < t and x["event"] == "upload"
+                       and x.get("committed") and x["rank"] == 0]
+            if durable:
+                rec.checks.append((f"restored step {step} >= newest durable step {max(durable)}", step >= max(durable)))
+            saved = {d["digest"] for d in digests if d["phase"] == "saved" and d["step"] == step and d["time"] < t}
+            back = [d for d in digests if d["phase"] == "restored" and d["step"] == step and d["time"] > t - 1]
+            rec.checks.append((f"restored state of step {step} is bitwise a state saved at that step",
+                               bool(back) and back[0]["digest"] in saved))
+
+    def _check_uploads_caught_up(self, rec: FaultRecord) -> None:
+        events = [e for e in self._events() if e["rank"] == 0]
+        hit = [e for e in events if rec.t_start <= e["time"] <= rec.t_end + 1 and (
+            e["event"] == "upload_skipped" or (e["event"] == "upload" and e.get("error")))]
+        # the tier catches up: an upload committed after the store came back
+        deadline = time.time() + 90
+        caught = []
+        while time.time() < deadline:
+            caught = [e for e in self._events() if e["rank"] == 0 and e["event"] == "upload"
+                      and e.get("committed") and e["time"] > rec.t_end]
+            if caught:
+                break
+            time.sleep(0.5)
+        rec.checks.append((f"uploads caught up after the outage ({len(hit)} skipped/failed during it)", bool(caught)))
+
+    def _check_reference(self) -> None:
+        """Invariant 3: until the world first changed size, every saved state equals the
+        uninterrupted reference run's state at that step."""
+        digests = read_jsonl(self.digest_log)
+        changed = min((x["time"] for x in read_jsonl(self.loss_log) + digests
+                       if x["world"] != self.cfg.nodes), default=float("inf"))
+        checked = mismatched = 0
+        for d in digests:
+            if d["time"] >= changed or d["step"] not in self.reference:
+                continue
+            checked += 1
+            mismatched += d["digest"] != self.reference[d["step"]]
+        self.global_checks.append((
+            f"states saved or restored before the first world-size change equal the uninterrupted "
+            f"run's ({checked} compared, {mismatched} differ)", checked > 0 and mismatched == 0))
+
+    # -- waiting ---------------------------------------------------------------------------------
+
+    def _participants(self) -> list[str]:
+        assert self.cluster is not None
+        return sorted(n for n, nd in self.cluster.nodes.items() if nd.alive and nd.workers())
+
+    def _last_step(self) -> int:
+        losses = read_jsonl(self.loss_log)
+        return losses[-1]["step"] if losses else 0
+
+    def _events(self) -> list[dict[str, Any]]:
+        return read_events(self.work)
+
+    def _reap(self) -> None:
+        """An agent that exited on its own (e.g. its rendezvous timed out while the node was cut
+        off, or the round's master was lost before it published its address) has closed the
+        rendezvous for every agent: torchrun never reopens it. Requeue the job like a scheduler
+        would: stop the other agents (node stores stay) and start every node's agent again
+        under a new rendezvous id; aegis then restores from the node stores."""
+        cl = self.cluster
+        assert cl is not None
+        exited = [n for n, nd in cl.nodes.items() if nd.killed is None and not nd.alive]
+        if not exited:
+            return
+        for nd in cl.nodes.values():
+            if nd.killed is None and nd.alive:
+                wait_gone(kill_tree(nd.proc.pid), 10)
+                with contextlib.suppress(Exception):
+                    nd.proc.wait(timeout=5)
+        self.relaunches.append((time.time(), exited))
+        cl.relaunch()
+
+    def _wait_steady(self, since: float, first: bool = False) -> bool:
+        """Until ``steady_steps`` steps were logged at full world after the last restart; grows
+        the world back (adds a node) when it runs below full size."""
+        cl = self.cluster
+        assert cl is not None
+        deadline = time.monotonic() + (300 if first else self.cfg.fault_timeout)
+        while time.monotonic() < deadline:
+            self._reap()
+            alive = [n for n, nd in cl.nodes.items() if nd.alive]
+            losses = [x for x in read_jsonl(self.loss_log) if x["time"] > since]
+            starts = [e["time"] for e in self._events() if e["event"] == "start" and e["time"] > since]
+            last_start = max(starts, default=since)
+            recent = [x for x in losses if x["time"] > last_start]
+            if len(alive) < self.cfg.nodes and recent and recent[-1]["world"] == len(alive):
+                cl.add_node()  # the job runs shrunk: a new node joins (and the job restarts)
+                time.sleep(1.0)
+                continue
+            full = [x for x in recent if x["world"] == self.cfg.nodes]
+            if len(full) >= self.cfg.steady_steps and time.time() - last_start > 2:
+                return True
+            time.sleep(0.2)
+        return False
+
+    def _orphans(self) -> list[int]:
+        """Processes of this campaign that no live agent owns (after a grace period)."""
+        cl = self.cluster
+        assert cl is not None
+        deadline = time.monotonic() + 30
+        while True:
+            owned: set[int] = set()
+            for nd in cl.nodes.values():
+                if nd.alive:
+                    owned.add(nd.proc.pid)
+                    owned.update(descendants(nd.proc.pid))
+            stray = [p for p in _marker_pids(self.marker) if p not in owned
+                     and (self.moto is None or p != self.moto.pid)]
+            if not stray or time.monotonic() > deadline:
+                return stray
+            time.sleep(0.5)
+
+    # -- report ----------------------------------------------------------------------------------
+
+    def _line(self, r: FaultRecord) -> str:
+        status = "ok" if not r.violations else "VIOLATION: " + "; ".join(r.violations)
+        resume = f"{r.resume_s:.1f} s" if r.resume_s is not None else "-"
+        return (f"[{r.index:>3}] {r.kind:<11} {r.node:<8} {r.detail} | restarts {r.restarts} "
+                f"restored {r.restored} from {'+'.join(r.tiers) or '-'} resume {resume} "
+                + (f"requeues {r.relaunches} " if r.relaunches else "")
+                + f"lost {r.lost_steps if r.lost_steps is not None else '-'} | {status}")
+
+    def summary(self, wall_s: float) -> dict[str, Any]:
+        rows = []
+        for kind in KINDS:
+            rs = [r for r in self.records if r.kind == kind]
+            if not rs:
+                rows.append({"kind": kind, "injected": 0,
+                             "note": self.net_reason if kind == "partition" and self.net_reason else
+                             "not available here" if kind not in self.cfg.kinds else ""})
+                continue
+            resumes = [r.resume_s for r in rs if r.resume_s is not None]
+            lost = [r.lost_steps for r in rs if r.lost_steps is not None]
+            tiers: Counter[str] = Counter(t for r in rs for t in r.tiers)
+            rows.append({
+                "kind": kind,
+                "injected": len(rs),
+                "recoveries": sum(1 for r in rs if r.restored),
+                "restarts": sum(r.restarts for r in rs),
+                "relaunches": sum(r.relaunches for r in rs),
+                "tiers": dict(tiers),
+                "resume_median_s": statistics.median(resumes) if resumes else None,
+                "resume_max_s": max(resumes) if resumes else None,
+                "lost_steps_median": statistics.median(lost) if lost else None,
+                "lost_steps_max": max(lost) if lost else None,
+                "max_step_gap_s": max(r.max_step_gap_s for r in rs),
+                "violations": sum(len(r.violations) for r in rs),
+            })
+        violations = [f"fault {r.index} ({r.kind}): {v}" for r in self.records for v in r.violations]
+        violations += [what for what, ok in self.global_checks if not ok]
+        return {
+            "seed": self.cfg.seed,
+            "faults_planned": self.cfg.faults,
+            "faults_injected": len(self.records),
+            "wall_s": wall_s,
+            "network_namespaces": self.net_reason is None,
+            "network_note": self.net_reason,
+            "checks": sum(len(r.checks) for r in self.records) + len(self.global_checks),
+            "global_checks": self.global_checks,
+            "rows": rows,
+            "violations": violations,
+            "records": [asdict(r) for r in self.records],
+            "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self.cfg).items()},
+        }
+
+
+def format_table(s: dict[str, Any]) -> str:
+    head = "| fault | injected | recoveries | restarts (job requeues) | source tiers | resume median / max (s) | lost steps median / max | longest step gap (s) | violations |"
+    out = [head, "|" + "---|" * 9]
+    for r in s["rows"]:
+        if not r["injected"]:
+            out.append(f"| {r['kind']} | 0 | | | | | | | {r.get('note', '')} |")
+            continue
+
+        def f(x: Any, fmt: str = "{:.1f}") -> str:
+            return "-" if x is None else fmt.format(x)
+
+        out.append(
+            f"| {r['kind']} | {r['injected']} | {r['recoveries']} | {r['restarts']} ({r['relaunches']}) | "
+            f"{', '.join(f'{k} {v}' for k, v in sorted(r['tiers'].items())) or '-'} | "
+            f"{f(r['resume_median_s'])} / {f(r['resume_max_s'])} | "
+            f"{f(r['lost_steps_median'], '{:g}')} / {f(r['lost_steps_max'], '{:g}')} | "
+            f"{r['max_step_gap_s']:.1f} | {r['violations']} |")
+    total = sum(r["injected"] for r in s["rows"])
+    out.append(f"| **all** | {total} | | | | | | | {len(s['violations'])} |")
+    return "\n".join(out)
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+
+
+def _boto_kw() -> dict[str, str]:
+    return {"aws_access_key_id": S3_ENV["AWS_ACCESS_KEY_ID"],
+            "aws_secret_access_key": S3_ENV["AWS_SECRET_ACCESS_KEY"],
+            "region_name": S3_ENV["AWS_DEFAULT_REGION"]}
+
+
+def fill(directory: Path) -> Path:
+    """Take every free byte of the file system holding ``directory``."""
+    ballast = directory / ".ballast"
+    with open(ballast, "wb", buffering=0) as f:
+        st = os.statvfs(directory)
+        if st.f_bavail:
+            with contextlib.suppress(OSError):
+                os.posix_fallocate(f.fileno(), 0, st.f_bavail * st.f_frsize)
+        f.seek(0, os.SEEK_END)
+        with contextlib.suppress(OSError):
+            while f.write(b"\0" * 4096):
+                pass
+    return ballast
+
+
+def _marker_pids(marker: str) -> list[int]:
+    needle = f"AEGIS_CHAOS={marker}".encode()
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/environ", "rb") as f:
+                if needle not in f.read():
+                    continue
+            with open(f"/proc/{d}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    continue
+        except OSError:
+            continue
+        out.append(int(d))
+    return out
+
+
+def wait_marker_gone(marker: str, timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while True:
+        left = _marker_pids(marker)
+        if not left or time.monotonic() > deadline:
+            for p in left:
+                kill_tree(p)
+            return left
+        time.sleep(0.2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--faults", type=int, default=50)
+    p.add_argument("--kinds", default=",".join(KINDS))
+    p.add_argument("--workdir", default="/tmp/aegis-chaos")
+    p.add_argument("--no-network", action="store_true", help="no network namespaces (no partitions)")
+    p.add_argument("--out", default=None, help="write the summary JSON here")
+    a = p.parse_args(argv)
+    kinds = tuple(k for k in a.kinds.split(",") if k)
+    bad = set(kinds) - set(KINDS)
+    if bad:
+        p.error(f"unknown fault kinds {sorted(bad)}; choose from {', '.join(KINDS)}")
+    cfg = Config(seed=a.seed, faults=a.faults, kinds=kinds, workdir=Path(a.workdir), network=not a.no_network)
+    s = Campaign(cfg).run()
+    print()
+    print(format_table(s))
+    for what, ok in s["global_checks"]:
+        print(f"[{'PASS' if ok else 'FAIL'}] {what}")
+    print(f"{s['faults_injected']} faults, {s['checks']} checks, {len(s['violations'])} invariant violations, "
+          f"{s['wall_s'] / 60:.1f} min")
+    for v in s["violations"]:
+        print(f"  VIOLATION {v}")
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(s, indent=1, default=str))
+    return 0 if not s["violations"] and s["faults_injected"] == cfg.faults else 1
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())
