@@ -101,3 +101,74 @@ def test_full_node_store_skips_the_snapshot_and_training_goes_on(small_tmpfs: Pa
     # the events say so too, and the store holds the newest committed step complete
     steps = NodeStore(small_tmpfs, JOB).steps()
     assert [s.step for s in steps if s.committed][0] == 7
+
+
+# -- an object store that hangs: close() is bounded -----------------------------------------------
+
+
+@pytest.fixture
+def own_s3() -> Any:
+    """A moto server of this test's own, so the test can freeze it (SIGSTOP)."""
+    import signal
+    import socket
+    import sys
+    import time
+
+    from tests.dist_utils import free_port
+
+    port = free_port()
+    moto = Path(sys.executable).with_name("moto_server")
+    proc = subprocess.Popen([str(moto), "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            break
+        except OSError:
+            assert time.monotonic() < deadline and proc.poll() is None, "moto_server did not start"
+            time.sleep(0.1)
+    yield proc, f"http://127.0.0.1:{port}"
+    os.kill(proc.pid, signal.SIGCONT)
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def _close_while_s3_hangs(rank: int, world: int, store: str, moto_pid: int) -> dict[str, Any]:
+    import signal
+    import time
+    from datetime import timedelta
+
+    model, opt, sched = build(world, seed=0)
+    mgr = Manager(JOB, {"model": ModelOptimizerState(model, opt), "sched": sched},
+                  store_dir=store, durable="s3://hang/job", durable_every=1, verbose=False,
+                  timeout=timedelta(seconds=3))
+    train_step(model, opt, sched, 1, rank)
+    os.kill(moto_pid, signal.SIGSTOP)  # the store hangs: connections open, nothing answers
+    try:
+        t0 = time.monotonic()
+        mgr.save(1)
+        r = mgr.wait()
+        saved_s = time.monotonic() - t0
+        t1 = time.monotonic()
+        mgr.close()
+        close_s = time.monotonic() - t1
+    finally:
+        os.kill(moto_pid, signal.SIGCONT)
+    return {"committed": r.committed if r else None, "saved_s": saved_s, "close_s": close_s}
+
+
+def test_close_is_bounded_while_the_object_store_hangs(store_dir: Path, own_s3: Any,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    import boto3
+
+    proc, endpoint = own_s3
+    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint}
+    boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing",
+                 aws_secret_access_key="testing", region_name="us-east-1").create_bucket(Bucket="hang")
+    (out,) = run_ranks(1, _close_while_s3_hangs, str(store_dir), proc.pid, env=env, timeout=200)
+    assert out["committed"] is True  # the memory snapshot never waits for the object store
+    # close() waits for the pending upload at most `timeout` (3 s), then gives up with a
+    # warning; before the fix it waited for boto3's read timeouts times the retries (minutes).
+    assert out["close_s"] < 15, out

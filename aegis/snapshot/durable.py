@@ -210,10 +210,18 @@ class Uploader:
                     raise AegisError(f"{self._pending} durable upload(s) still pending after {timeout} s")
                 self._idle.wait(remaining)
 
-    def close(self) -> None:
-        self.wait()
+    def close(self, timeout: float | None = None) -> int:
+        """Finish the queued uploads, waiting at most ``timeout`` seconds; return how many were
+        still pending and are abandoned (their steps are simply not on the durable tier)."""
+        abandoned = 0
+        try:
+            self.wait(timeout)
+        except AegisError:
+            abandoned = self.pending
         self._queue.put(None)
-        self._thread.join(timeout=30)
+        if not abandoned:
+            self._thread.join(timeout=30)
+        return abandoned  # a stuck request holds only a daemon thread
 
     # -- background ----------------------------------------------------------------------------
 

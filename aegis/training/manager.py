@@ -245,7 +245,16 @@ class Manager:
             finally:
                 try:
                     if self.uploader is not None:
-                        self.uploader.close()
+                        # Bounded: an object store that hangs must not hang the end of training.
+                        wait_s = self.config.timeout.total_seconds()
+                        abandoned = self.uploader.close(timeout=wait_s)
+                        if abandoned:
+                            self.events.emit("upload_abandoned", pending=abandoned, waited_s=wait_s)
+                            self.events.warn(
+                                f"{abandoned} durable upload(s) still pending after {wait_s:.0f} s "
+                                f"({self.durable_store.url if self.durable_store else ''} does not "
+                                "answer); abandoned, the durable tier holds an older step"
+                            )
                 finally:
                     self.engine.close()
         finally:
