@@ -423,8 +423,12 @@ class Campaign:
             after = [x for x in losses if x["time"] > first["time"]]
             if after:
                 rec.resume_s = after[0]["time"] - rec.t_start
-            before = [x["step"] for x in losses if x["time"] < first["time"]]
-            rec.lost_steps = (max(before) if before else 0) - first["step"]
+            # the work lost: from the last step the job computed before it went down (its state
+            # digest is logged before save) back to the restored one; the log is in time order,
+            # and an earlier rollback may have logged higher steps long before
+            before = [d["step"] for d in read_jsonl(self.digest_log)
+                      if d["phase"] == "saved" and d["time"] < first["time"]]
+            rec.lost_steps = (before[-1] if before else 0) - first["step"]
         if expect_restart is True:
             rec.checks.append(("the job restarted and restored a snapshot", bool(restores)))
         elif expect_restart is False:
