@@ -172,3 +172,52 @@ def test_close_is_bounded_while_the_object_store_hangs(store_dir: Path, own_s3: 
     # close() waits for the pending upload at most `timeout` (3 s), then gives up with a
     # warning; before the fix it waited for boto3's read timeouts times the retries (minutes).
     assert out["close_s"] < 15, out
+
+
+# -- the durable tier catches up right after an outage ----------------------------------------
+
+
+def _catch_up(rank: int, world: int, store: str, moto_pid: int) -> dict[str, Any]:
+    import signal
+    import time
+
+    model, opt, sched = build(world, seed=0)
+    mgr = Manager(JOB, {"model": ModelOptimizerState(model, opt), "sched": sched},
+                  store_dir=store, durable="s3://catchup/job", durable_every=2,
+                  durable_max_pending=1, verbose=False)
+    uploads: list[tuple[int, bool]] = []
+    mgr.uploader.on_result = lambda r: uploads.append((r.step, r.committed))  # type: ignore[union-attr]
+    try:
+        for step in range(1, 7):
+            train_step(model, opt, sched, step, rank)
+            if step == 2:
+                os.kill(moto_pid, signal.SIGSTOP)  # step 2 hangs, 4 queues, 6 is skipped
+            mgr.save(step)
+            mgr.wait()
+        os.kill(moto_pid, signal.SIGCONT)  # the store is back: step 2's upload finishes
+        deadline = time.monotonic() + 60
+        while mgr.uploader.pending and time.monotonic() < deadline:  # type: ignore[union-attr]
+            time.sleep(0.05)
+        train_step(model, opt, sched, 7, rank)
+        mgr.save(7)  # not a multiple of durable_every, but uploads are owed since step 4
+        mgr.wait()
+        mgr.wait_durable(60)
+    finally:
+        os.kill(moto_pid, signal.SIGCONT)
+        mgr.close()
+    return {"uploads": uploads}
+
+
+def test_durable_tier_catches_up_at_the_first_commit_after_an_outage(store_dir: Path, own_s3: Any) -> None:
+    import boto3
+
+    proc, endpoint = own_s3
+    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint}
+    boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing",
+                 aws_secret_access_key="testing", region_name="us-east-1").create_bucket(Bucket="catchup")
+    (out,) = run_ranks(1, _catch_up, str(store_dir), proc.pid, env=env, timeout=200)
+    # steps 2 and 4 went up once the store answered again; 6 was skipped (never blocking a
+    # step); step 7, the first commit after the outage, goes up at once instead of waiting
+    # for step 8 (before the fix the tier stayed behind until the next multiple of durable_every)
+    assert out["uploads"] == [(2, True), (4, True), (7, True)], out

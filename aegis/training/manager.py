@@ -110,6 +110,7 @@ class Manager:
         )
         self.uploader: Uploader | None = None
         self._last_upload_t = time.monotonic()
+        self._upload_owed = False  # a due upload was skipped (backlog): catch up when it drains
         if self.durable_store is not None:
             if self._dropped:
                 self.events.emit("durable_cleanup", uncommitted_steps=self._dropped)
@@ -293,12 +294,22 @@ class Manager:
             self.config.durable_every_s is not None
             and time.monotonic() - self._last_upload_t >= self.config.durable_every_s
         )
-        if not due:
+        if not due and not self._upload_owed:
             return False
         if self.uploader.pending > self.config.durable_max_pending:
-            self.events.emit("upload_skipped", step=step, pending=self.uploader.pending)
-            self.events.say(f"step {step}: durable upload skipped, {self.uploader.pending} still pending")
+            # The object store is slow or away: never block the step, never queue without
+            # bound; the first commit after the backlog drains uploads at once (catch up).
+            if due and not self._upload_owed:
+                self.events.warn(f"step {step}: durable upload skipped, {self.uploader.pending} "
+                                 "still pending (object store slow or unreachable); will catch up")
+            self._upload_owed = self._upload_owed or due
+            if due:
+                self.events.emit("upload_skipped", step=step, pending=self.uploader.pending)
             return False
+        if self._upload_owed and not due:
+            self.events.emit("upload_catch_up", step=step)
+            self.events.say(f"step {step}: durable tier catching up after skipped uploads")
+        self._upload_owed = False
         self._last_upload_t = time.monotonic()
         return True
 

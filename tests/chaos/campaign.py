@@ -322,7 +322,8 @@ class Campaign:
                                 for s in NodeStore(cl.nodes[n].store_dir, self.job).steps() if s.committed})
             rec.detail = f"{'replacement' if replace else 'shrink'}; survivors held {committed[-2:]}"
             rec.t_end = time.time()
-            self._resolve(rec, expect_restart=True, newest=committed[-1] if committed else None)
+            self._resolve(rec, expect_restart=True, newest=committed[-1] if committed else None,
+                          survivors=survivors)
         elif kind == "double_kill":
             other = self.rng.choice([n for n in self._participants() if n != node])
             survivors = [n for n in self._participants() if n not in (node, other)]
@@ -397,7 +398,8 @@ class Campaign:
 
     # -- resolution and checks -----------------------------------------------------------------
 
-    def _resolve(self, rec: FaultRecord, *, expect_restart: bool | None, newest: int | None = None) -> None:
+    def _resolve(self, rec: FaultRecord, *, expect_restart: bool | None, newest: int | None = None,
+                 survivors: list[str] | None = None) -> None:
         """Wait until the job trains again at full size; then check this fault's invariants."""
         cl = self.cluster
         assert cl is not None
@@ -435,8 +437,16 @@ class Campaign:
             rec.checks.append((f"training never stopped: no restart ({rec.restarts}), longest step gap "
                                f"{rec.max_step_gap_s:.1f} s", rec.restarts == 0))
         if newest is not None and restores:
-            rec.checks.append((f"restored step {restores[0]['step']} = newest committed on the survivors {newest}",
-                               restores[0]["step"] == newest))
+            # Only when every survivor took part in that round: torchrun may close a round (min
+            # nodes reached + last call) before a slow survivor rejoins, and the shards it holds
+            # are then not available; the round restores the newest step complete without it.
+            t_r = restores[0]["time"]
+            joined = {e["_node"] for e in events if e["event"] == "start" and t_r - 10 < e["time"] <= t_r}
+            if set(survivors or ()) <= joined:
+                rec.checks.append((f"restored step {restores[0]['step']} = newest committed on the survivors {newest}",
+                                   restores[0]["step"] == newest))
+            else:
+                rec.detail += f"; {sorted(set(survivors or ()) - joined)} missed the first round"
         self._check_restores(rec, [e for e in events if e["event"] == "restore" and e.get("found")])
         orphans = self._orphans()
         rec.checks.append((f"no orphaned processes ({orphans})", not orphans))
