@@ -1,0 +1,182 @@
+"""Shared pieces of the ``aegis`` command: errors with exit codes, formatting, progress bars."""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from types import TracebackType
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+
+__all__ = [
+    "EXIT_OK",
+    "EXIT_FAILED",
+    "EXIT_USAGE",
+    "EXIT_INTERNAL",
+    "CliError",
+    "FailedError",
+    "Bar",
+    "stdout_console",
+    "show",
+    "stderr_console",
+    "fmt_bytes",
+    "fmt_age",
+    "fmt_shape",
+    "json_number",
+]
+
+EXIT_OK = 0
+EXIT_FAILED = 1  # verification failed, corrupt bytes, or (diff) the snapshots differ
+EXIT_USAGE = 2  # bad URI, missing step, unreadable manifest, bad option
+EXIT_INTERNAL = 3  # a bug in aegis: please report it
+
+
+class CliError(click.ClickException):
+    """A one-line error for bad input (exit code 2): ``aegis: error: <message>``."""
+
+    exit_code = EXIT_USAGE
+
+    def show(self, file: Any = None) -> None:
+        click.echo(f"aegis: error: {self.format_message()}", err=True)
+
+
+class FailedError(CliError):
+    """Data that does not verify (exit code 1)."""
+
+    exit_code = EXIT_FAILED
+
+
+def _width() -> int | None:
+    # Rich falls back to 80 columns when stdout is not a terminal; tables of long tensor names
+    # are easier to read (and grep) wider.
+    env = os.environ.get("COLUMNS")
+    if env and env.isdigit():
+        return int(env)
+    return None
+
+
+def stdout_console() -> Console:
+    c = Console(highlight=False, markup=False, soft_wrap=False, width=_width())
+    if not c.is_terminal and _width() is None:
+        c.width = 160
+    return c
+
+
+def show(console: Console, renderable: Any) -> None:
+    """Print a table; off a terminal without the trailing blanks rich pads rows with."""
+    if console.is_terminal:
+        console.print(renderable)
+        return
+    with console.capture() as cap:
+        console.print(renderable)
+    text = "\n".join(line.rstrip() for line in cap.get().splitlines())
+    console.file.write(text + "\n")
+    console.file.flush()
+
+
+def stderr_console() -> Console:
+    return Console(stderr=True, highlight=False, markup=False)
+
+
+class Bar:
+    """A progress bar on stderr that appears only when the work takes longer than a second and
+    stderr is a terminal. ``advance`` is thread-safe."""
+
+    def __init__(self, description: str, total: float | None, *, unit: str = "bytes",
+                 delay_s: float = 1.0, console: Console | None = None) -> None:
+        self.description = description
+        self.total = total
+        self.unit = unit
+        self.delay_s = delay_s
+        self.console = console or stderr_console()
+        self.enabled = self.console.is_terminal and not os.environ.get("AEGIS_NO_PROGRESS")
+        self.done = 0.0
+        self._lock = threading.Lock()
+        self._progress: Progress | None = None
+        self._task: Any = None
+        self._timer: threading.Timer | None = None
+
+    def __enter__(self) -> Bar:
+        if self.enabled:
+            self._timer = threading.Timer(self.delay_s, self._start)
+            self._timer.daemon = True
+            self._timer.start()
+        return self
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._progress is not None or not self.enabled:
+                return
+            counter = (
+                [DownloadColumn(binary_units=True), TransferSpeedColumn()] if self.unit == "bytes" else [MofNCompleteColumn()]
+            )
+            self._progress = Progress(
+                TextColumn("{task.description}"), BarColumn(), *counter, TimeRemainingColumn(),
+                console=self.console, transient=True,
+            )
+            self._progress.start()
+            self._task = self._progress.add_task(self.description, total=self.total, completed=int(self.done))
+
+    def advance(self, n: float = 1) -> None:
+        with self._lock:
+            self.done += n
+            if self._progress is not None:
+                self._progress.update(self._task, completed=self.done)
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        with self._lock:
+            self.enabled = False
+            if self._progress is not None:
+                self._progress.stop()
+                self._progress = None
+
+
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    raise AssertionError
+
+
+def fmt_age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    s = max(0, int(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m {s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h {s % 3600 // 60:02d}m"
+    return f"{s // 86400}d {s % 86400 // 3600:02d}h"
+
+
+def fmt_shape(shape: tuple[int, ...] | list[int] | None) -> str:
+    if shape is None:
+        return "-"
+    return "(" + ", ".join(str(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
+def json_number(x: float | None) -> float | None:
+    """JSON has no NaN or infinity: those become null."""
+    if x is None or not math.isfinite(x):
+        return None
+    return x

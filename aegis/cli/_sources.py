@@ -1,0 +1,905 @@
+"""Where snapshots live, as the ``aegis`` command sees them.
+
+A URI resolves to one or more :class:`Source` objects, one per job:
+
+* a node store directory (``/dev/shm/aegis`` holding job directories, or one job directory):
+  tier ``memory``;
+* a durable root, ``file:///path`` or ``s3://bucket/prefix`` (the root holding job prefixes, or
+  one job's prefix): tier ``durable``; a plain path with the durable layout works too;
+* a plain DCP checkpoint directory (holding ``.metadata``), or a directory of them
+  (``step-100/``, ``step-200/`` ...): tier ``dcp``.
+
+A :class:`Snapshot` is one step of a source opened for reading: its entries (tensors and
+non-tensor objects), and a DCP ``StorageReader`` over exactly the bytes a command needs. Node
+store shards are read in place (after their chunks' crc32c are checked); durable chunks are
+downloaded, verified and decoded into sparse temporary files; DCP directories are read by DCP.
+Nothing here unpickles an object.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import mmap
+import os
+import re
+import tempfile
+import threading
+from collections.abc import Callable, Collection, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+)
+from torch.distributed.checkpoint.storage import StorageReader
+
+from aegis.cli._common import CliError, FailedError
+from aegis.cli._dcp import SafeFileSystemReader, read_dcp_metadata
+from aegis.errors import AegisError, CorruptShardError, ManifestError
+from aegis.snapshot.codec import decode
+from aegis.snapshot.dcp_io import ShardReader
+from aegis.snapshot.durable import (
+    chunk_key,
+    fetch_chunks,
+    list_steps,
+    read_manifest,
+    retention_victims,
+)
+from aegis.snapshot.durable import prune as durable_prune
+from aegis.snapshot.manifest import BytesEntry, Manifest, TensorEntry
+from aegis.snapshot.node_store import NodeStore
+from aegis.snapshot.objstore import ObjectNotFound, ObjectStore, open_store
+from aegis.snapshot.retry import RetryPolicy
+from aegis.snapshot.shard import (
+    FOOTER_SIZE,
+    chunks_for_ranges,
+    crc32c,
+    decode_footer,
+    verify_chunks,
+)
+
+__all__ = [
+    "TIER_MEMORY",
+    "TIER_DURABLE",
+    "TIER_DCP",
+    "StepRow",
+    "Failure",
+    "Source",
+    "Snapshot",
+    "resolve",
+    "pick",
+]
+
+TIER_MEMORY = "memory"
+TIER_DURABLE = "durable"
+TIER_DCP = "dcp"
+
+_STEP_DIR = re.compile(r"^step-(\d{8})$")
+_RANK_DIR = re.compile(r"^rank-\d{5}$")
+_RANK_SHARD = re.compile(r"^rank-\d{5}\.shard$")
+_JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+_DURABLE_KEY = re.compile(
+    r"^(?:(?P<pre>.+)/)?step-(?P<step>\d{8})/(?:manifest\.json|rank-\d{5}/chunk-\d{4}\.zst)$"
+)
+_TRAILING_INT = re.compile(r"(?:^|[-_.]|step)(\d+)$")  # step-100, checkpoint_100, global_step100, 100
+_DISTCP_RANK = re.compile(r"^__(\d+)_\d+\.distcp$")
+
+Progress = Callable[[int], None]
+
+
+def _nop(n: int) -> None:
+    pass
+
+
+@dataclass
+class StepRow:
+    """One step on one source (``ls``)."""
+
+    uri: str
+    tier: str
+    job: str | None
+    step: int | None
+    committed: bool
+    world_size: int | None = None
+    shards: int | None = None  # shards (or DCP files) present on this source
+    raw_bytes: int | None = None
+    stored_bytes: int | None = None
+    created: float | None = None
+    error: str | None = None
+
+
+@dataclass
+class Failure:
+    """One thing that did not verify."""
+
+    job: str | None
+    step: int | None
+    rank: int | None
+    chunk: int | None
+    tier: str
+    uri: str
+    error: str
+
+
+@dataclass
+class VerifyResult:
+    chunks: int = 0
+    bytes: int = 0
+    failures: list[Failure] = field(default_factory=list)
+
+
+# -- sources -------------------------------------------------------------------------------------
+
+
+class Source(abc.ABC):
+    """The steps of one job in one place."""
+
+    tier: str
+    uri: str
+    job: str | None
+
+    @abc.abstractmethod
+    def rows(self) -> list[StepRow]:
+        """Every step, newest first (committed or not)."""
+
+    @abc.abstractmethod
+    def committed(self) -> list[int]:
+        """Committed steps, ascending."""
+
+    @abc.abstractmethod
+    def _open(self, step: int) -> Snapshot:
+        ...
+
+    def open(self, step: int | None) -> Snapshot:
+        """The newest committed step, or ``step``; a one-line error when it is not committed."""
+        steps = self.committed()
+        if not steps:
+            raise CliError(f"{self.uri}: no committed step")
+        if step is None:
+            step = steps[-1]
+        elif step not in steps:
+            shown = ", ".join(str(s) for s in steps[-10:])
+            raise CliError(
+                f"step {step} is not committed in {self.uri} (committed: "
+                f"{'... ' if len(steps) > 10 else ''}{shown})"
+            )
+        return self._open(step)
+
+    def all_steps(self) -> list[int | None]:
+        """What ``verify --all`` checks, ascending."""
+        return list(self.committed())
+
+    @abc.abstractmethod
+    def verify_bytes(self, step: int | None) -> int:
+        """Bytes ``verify`` reads for ``step`` (progress bar total)."""
+
+    @abc.abstractmethod
+    def verify(self, step: int | None, progress: Progress) -> VerifyResult:
+        """Check every chunk of ``step``; failures are collected, never raised."""
+
+    def prune(self, keep_last: int, keep_every: int, *, dry_run: bool) -> list[int]:
+        raise CliError(f"{self.uri}: prune works on aegis node stores and durable roots, not on "
+                       f"{self.tier} checkpoints")
+
+    def close(self) -> None:  # noqa: B027 - optional
+        pass
+
+    def _failure(self, step: int | None, rank: int | None, chunk: int | None, error: str) -> Failure:
+        return Failure(self.job, step, rank, chunk, self.tier, self.uri, error)
+
+
+class Snapshot(abc.ABC):
+    """One step of a source, opened for reading."""
+
+    source: Source
+    step: int | None
+    entries: Mapping[str, TensorEntry | BytesEntry]
+    object_sizes: dict[str, int]
+    metadata: Metadata
+    planner_data: Mapping[str, tuple[str | int, ...]]
+    manifest: Manifest | None = None
+
+    @property
+    def job(self) -> str | None:
+        return self.source.job
+
+    @abc.abstractmethod
+    def summary(self) -> dict[str, Any]:
+        """world_size, created, mesh, timings, format_version, shards (``inspect``)."""
+
+    @abc.abstractmethod
+    def reader(self, names: Collection[str], progress: Progress = _nop) -> contextlib.AbstractContextManager[StorageReader]:
+        """A DCP StorageReader that can serve the items of ``names`` (and maybe more)."""
+
+    def fetch_bytes(self, names: Collection[str]) -> int:
+        """Bytes read from the source to serve ``names`` (progress bar total)."""
+        return sum(self.entry_bytes(n) for n in names)
+
+    def entry_bytes(self, name: str) -> int:
+        e = self.entries[name]
+        return e.nbytes if isinstance(e, TensorEntry) else self.object_sizes.get(name, 0)
+
+
+# -- aegis snapshots (node store and durable tier) ------------------------------------------------
+
+
+def _needed_chunks(manifest: Manifest, names: Collection[str] | None) -> dict[int, set[int]]:
+    """shard rank -> chunk indices holding the items of ``names`` (None: every chunk)."""
+    out: dict[int, set[int]] = {}
+    wanted = None if names is None else set(names)
+    for shard in manifest.shards:
+        if wanted is None:
+            out[shard.rank] = set(range(len(shard.chunks)))
+            continue
+        ranges = [(i.file_offset, i.length) for i in shard.items if i.fqn in wanted]
+        if ranges:
+            out[shard.rank] = chunks_for_ranges(shard.chunks, ranges)
+    return out
+
+
+class _AegisSnapshot(Snapshot):
+    def __init__(self, source: Source, manifest: Manifest) -> None:
+        self.source = source
+        self.manifest = manifest
+        self.step = manifest.step
+        self.entries = manifest.entries
+        self.metadata = manifest.to_dcp_metadata()
+        self.planner_data = manifest.planner_data
+        sizes: dict[str, int] = {}
+        for shard in manifest.shards:
+            for item in shard.items:
+                if not item.is_tensor:
+                    sizes[item.fqn] = sizes.get(item.fqn, 0) + item.length
+        self.object_sizes = sizes
+
+    def summary(self) -> dict[str, Any]:
+        m = self.manifest
+        assert m is not None
+        return {
+            "world_size": m.world_size,
+            "created": m.created or None,
+            "format_version": m.format_version,
+            "mesh": dict(m.mesh),
+            "timings": dict(m.timings),
+            "shards": [
+                {
+                    "rank": s.rank,
+                    "node": s.node,
+                    "size": s.size,
+                    "chunks": len(s.chunks),
+                    "raw_bytes": s.data_bytes,
+                    "stored_bytes": (sum(c.stored_length or 0 for c in s.chunks)
+                                     if s.chunks and s.chunks[0].stored_length is not None else s.size),
+                    "replicas": list(s.replicas),
+                }
+                for s in m.shards
+            ],
+        }
+
+    def fetch_bytes(self, names: Collection[str]) -> int:
+        assert self.manifest is not None
+        return sum(self.manifest.shard(r).chunks[i].length
+                   for r, ids in _needed_chunks(self.manifest, names).items() for i in ids)
+
+    @abc.abstractmethod
+    def local_files(self, names: Collection[str] | None, progress: Progress = _nop
+                    ) -> contextlib.AbstractContextManager[dict[int, Path]]:
+        """Local files holding (at least) the verified chunks of ``names``, per shard rank."""
+
+    @contextlib.contextmanager
+    def reader(self, names: Collection[str], progress: Progress = _nop) -> Iterator[StorageReader]:
+        assert self.manifest is not None
+        with self.local_files(names, progress) as paths:
+            reader = ShardReader(self.manifest, paths)
+            try:
+                yield reader
+            finally:
+                reader.close()
+
+
+class NodeStoreSource(Source):
+    tier = TIER_MEMORY
+
+    def __init__(self, root: Path, job: str) -> None:
+        self.store = NodeStore(root, job)
+        self.job = job
+        self.uri = str(self.store.dir)
+
+    def rows(self) -> list[StepRow]:
+        out = []
+        for info in self.store.steps():
+            row = StepRow(self.uri, self.tier, self.job, info.step, info.committed,
+                          shards=len(info.shard_ranks))
+            if info.committed:
+                try:
+                    m = self.store.read_manifest(info.step)
+                except ManifestError as e:
+                    row.error = str(e)
+                else:
+                    present = set(info.shard_ranks)
+                    row.world_size = m.world_size
+                    row.raw_bytes = sum(s.data_bytes for s in m.shards if s.rank in present)
+                    row.stored_bytes = sum(s.size for s in m.shards if s.rank in present)
+                    row.created = m.created or None
+            out.append(row)
+        return out
+
+    def committed(self) -> list[int]:
+        return sorted(i.step for i in self.store.steps() if i.committed)
+
+    def manifest(self, step: int) -> Manifest:
+        try:
+            return self.store.read_manifest(step)
+        except ManifestError as e:
+            raise CliError(str(e)) from e
+
+    def _open(self, step: int) -> Snapshot:
+        return _NodeStoreSnapshot(self, self.manifest(step))
+
+    def verify_bytes(self, step: int | None) -> int:
+        assert step is not None
+        try:
+            m = self.store.read_manifest(step)
+        except ManifestError:
+            return 0
+        return sum(s.data_bytes for s in m.shards)
+
+    def verify(self, step: int | None, progress: Progress) -> VerifyResult:
+        assert step is not None
+        res = VerifyResult()
+        try:
+            m = self.store.read_manifest(step)
+        except ManifestError as e:
+            res.failures.append(self._failure(step, None, None, f"manifest unreadable: {e}"))
+            return res
+        for rec in m.shards:
+            path = self.store.shard_path(step, rec.rank)
+            try:
+                f = open(path, "rb")  # noqa: SIM115 - closed below
+            except FileNotFoundError:
+                res.failures.append(self._failure(
+                    step, rec.rank, None, f"shard of rank {rec.rank} is not in this node store ({path})"))
+                progress(rec.data_bytes)
+                continue
+            with f:
+                size = os.fstat(f.fileno()).st_size
+                if size != rec.size:
+                    res.failures.append(self._failure(
+                        step, rec.rank, None,
+                        f"shard file {path} has {size} bytes, the manifest says {rec.size}"))
+                if size == 0:
+                    progress(rec.data_bytes)
+                    continue
+                m_ = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                try:
+                    for i, c in enumerate(rec.chunks):
+                        try:
+                            verify_chunks(m_, rec.chunks, step=step, rank=rec.rank, where=f"node store {self.uri}",
+                                          only=[i])
+                        except CorruptShardError as e:
+                            res.failures.append(self._failure(step, rec.rank, i, str(e)))
+                        res.chunks += 1
+                        res.bytes += c.length
+                        progress(c.length)
+                    if size >= FOOTER_SIZE:
+                        try:
+                            _, icrc = decode_footer(m_[size - FOOTER_SIZE:], size=size, where=str(path))
+                            if icrc != rec.index_crc32c:
+                                res.failures.append(self._failure(
+                                    step, rec.rank, None,
+                                    f"shard index of rank {rec.rank} does not match the manifest "
+                                    "(index crc32c differs)"))
+                        except ManifestError as e:
+                            res.failures.append(self._failure(step, rec.rank, None, str(e)))
+                finally:
+                    m_.close()
+        return res
+
+    def prune(self, keep_last: int, keep_every: int, *, dry_run: bool) -> list[int]:
+        victims = retention_victims(self.committed(), keep_last, keep_every)
+        if not dry_run:
+            for step in victims:
+                self.store.remove_step(step)  # manifest first: never half-committed
+        return victims
+
+
+class _NodeStoreSnapshot(_AegisSnapshot):
+    source: NodeStoreSource
+
+    @contextlib.contextmanager
+    def local_files(self, names: Collection[str] | None, progress: Progress = _nop) -> Iterator[dict[int, Path]]:
+        assert self.manifest is not None
+        store = self.source.store
+        paths = {}
+        for rank, ids in sorted(_needed_chunks(self.manifest, names).items()):
+            path = store.shard_path(self.manifest.step, rank)
+            if not path.exists():
+                raise CliError(f"the shard of rank {rank} at step {self.manifest.step} is not in the "
+                               f"node store {self.source.uri} (another node holds it)")
+            try:
+                store.verify_shard(self.manifest.step, self.manifest.shard(rank), ids)
+            except CorruptShardError as e:
+                raise FailedError(f"{e} (tier {TIER_MEMORY}); run `aegis verify` for every chunk") from e
+            progress(sum(self.manifest.shard(rank).chunks[i].length for i in ids))
+            paths[rank] = path
+        yield paths
+        # A running job reuses the files of evicted steps: check that nothing changed under us.
+        for rank, ids in sorted(_needed_chunks(self.manifest, names).items()):
+            try:
+                store.verify_shard(self.manifest.step, self.manifest.shard(rank), ids)
+            except CorruptShardError as e:
+                raise FailedError(
+                    f"step {self.manifest.step} changed while it was read (evicted by a running job?): "
+                    f"{e}; read it again, or read its durable copy") from e
+
+
+class DurableSource(Source):
+    tier = TIER_DURABLE
+
+    def __init__(self, store: ObjectStore, job: str) -> None:
+        self.store = store
+        self.job = job
+        self.name = job  # str, for the durable helpers
+        self.uri = f"{store.url}/{job}"
+        self._listing: tuple[list[int], list[int]] | None = None
+
+    def _steps(self) -> tuple[list[int], list[int]]:
+        if self._listing is None:
+            self._listing = list_steps(self.store, self.name)
+        return self._listing
+
+    def rows(self) -> list[StepRow]:
+        committed, partial = self._steps()
+        out = [StepRow(self.uri, self.tier, self.job, s, False) for s in partial]
+        for step in committed:
+            row = StepRow(self.uri, self.tier, self.job, step, True)
+            try:
+                m = read_manifest(self.store, self.name, step)
+            except AegisError as e:
+                row.error = str(e)
+            else:
+                row.world_size = m.world_size
+                row.shards = m.world_size
+                row.raw_bytes = sum(c.length for s in m.shards for c in s.chunks)
+                row.stored_bytes = sum(c.stored_length or 0 for s in m.shards for c in s.chunks)
+                row.created = m.created or None
+            out.append(row)
+        out.sort(key=lambda r: r.step or 0, reverse=True)
+        return out
+
+    def committed(self) -> list[int]:
+        return self._steps()[0]
+
+    def manifest(self, step: int) -> Manifest:
+        try:
+            return read_manifest(self.store, self.name, step)
+        except ObjectNotFound as e:
+            raise CliError(str(e)) from e
+        except ManifestError as e:
+            raise CliError(str(e)) from e
+
+    def _open(self, step: int) -> Snapshot:
+        return _DurableSnapshot(self, self.manifest(step))
+
+    def verify_bytes(self, step: int | None) -> int:
+        assert step is not None
+        try:
+            m = read_manifest(self.store, self.name, step)
+        except AegisError:
+            return 0
+        return sum(s.data_bytes for s in m.shards)
+
+    def verify(self, step: int | None, progress: Progress) -> VerifyResult:
+        assert step is not None
+        res = VerifyResult()
+        try:
+            m = read_manifest(self.store, self.name, step)
+        except AegisError as e:
+            res.failures.append(self._failure(step, None, None, f"manifest unreadable: {e}"))
+            return res
+        lock = threading.Lock()
+
+        def one(rank: int, i: int) -> None:
+            c = m.shard(rank).chunks[i]
+            key = chunk_key(self.name, step, rank, i)
+            where = f"{self.store.url}/{key}"
+            err = None
+            try:
+                blob = self.store.get(key)
+                got = crc32c(blob)
+                if len(blob) != c.stored_length:
+                    err = (f"object {where} of step {step}, rank {rank}, chunk {i} has {len(blob)} "
+                           f"bytes, the manifest says {c.stored_length}")
+                elif got != c.stored_crc32c:
+                    err = (f"crc32c mismatch in step {step}, rank {rank}, chunk {i}: object {where}: "
+                           f"expected {c.stored_crc32c:#010x}, got {got:#010x}")
+                else:
+                    raw = decode(blob, c.codec, c.length, where=where)
+                    if crc32c(raw) != c.crc32c:
+                        err = (f"crc32c mismatch in step {step}, rank {rank}, chunk {i} after decoding "
+                               f"{where}")
+            except ObjectNotFound:
+                err = f"{where} is missing"
+            except CorruptShardError as e:
+                err = f"step {step}, rank {rank}, chunk {i}: {e}"
+            except AegisError as e:
+                err = f"step {step}, rank {rank}, chunk {i}: {e}"
+            with lock:
+                if err is not None:
+                    res.failures.append(self._failure(step, rank, i, err))
+                res.chunks += 1
+                res.bytes += c.length
+            progress(c.length)
+
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            futures = [pool.submit(one, s.rank, i) for s in m.shards for i in range(len(s.chunks))]
+            for fut in futures:
+                fut.result()
+        res.failures.sort(key=lambda f: (f.rank or 0, f.chunk or 0))
+        return res
+
+    def prune(self, keep_last: int, keep_every: int, *, dry_run: bool) -> list[int]:
+        victims = durable_prune(self.store, self.name, keep_last, keep_every, dry_run=dry_run)
+        self._listing = None
+        return victims
+
+    def close(self) -> None:
+        self.store.close()
+
+
+class _DurableSnapshot(_AegisSnapshot):
+    source: DurableSource
+
+    @contextlib.contextmanager
+    def local_files(self, names: Collection[str] | None, progress: Progress = _nop) -> Iterator[dict[int, Path]]:
+        """Download, verify (stored and raw crc32c) and decode the chunks ``names`` need into
+        sparse temporary files laid out like the shards (``$TMPDIR``)."""
+        m = self.manifest
+        assert m is not None
+        needed = _needed_chunks(m, names)
+        src = self.source
+        with tempfile.TemporaryDirectory(prefix="aegis-cli-") as tmp:
+            paths: dict[int, Path] = {}
+            maps: dict[int, mmap.mmap] = {}
+            try:
+                for rank in needed:
+                    path = Path(tmp) / f"rank-{rank:05d}.shard"
+                    with open(path, "wb") as f:
+                        f.truncate(max(m.shard(rank).size, 1))
+                    fd = os.open(path, os.O_RDWR)
+                    try:
+                        maps[rank] = mmap.mmap(fd, 0)
+                    finally:
+                        os.close(fd)
+                    paths[rank] = path
+
+                def one(rank: int, i: int) -> None:
+                    with memoryview(maps[rank]) as view:
+                        fetch_chunks(src.store, src.name, m, rank, [i], view, threads=1)
+                    progress(m.shard(rank).chunks[i].length)
+
+                with ThreadPoolExecutor(max_workers=8) as pool:
+                    futures = [pool.submit(one, r, i) for r, ids in needed.items() for i in sorted(ids)]
+                    try:
+                        for fut in futures:
+                            fut.result()
+                    except CorruptShardError as e:
+                        for other in futures:
+                            other.cancel()
+                        raise FailedError(f"{e} (tier {TIER_DURABLE})") from e
+            finally:
+                for mm in maps.values():
+                    with contextlib.suppress(BufferError):
+                        mm.close()
+            yield paths
+
+
+# -- plain DCP checkpoints -----------------------------------------------------------------------
+
+
+class DcpSource(Source):
+    """One plain DCP checkpoint directory, or a directory of them (``step-N``-like names)."""
+
+    tier = TIER_DCP
+
+    def __init__(self, uri: str, checkpoints: list[tuple[int | None, Path]], *, unsafe: bool) -> None:
+        self.uri = uri
+        self.job = None
+        self.checkpoints = sorted(checkpoints, key=lambda c: (c[0] is not None, c[0] or 0))
+        self.unsafe = unsafe
+        self._md: dict[Path, Metadata] = {}
+
+    def metadata(self, path: Path) -> Metadata:
+        if path not in self._md:
+            self._md[path] = read_dcp_metadata(path, unsafe=self.unsafe)
+        return self._md[path]
+
+    def rows(self) -> list[StepRow]:
+        out = []
+        for step, path in reversed(self.checkpoints):
+            row = StepRow(str(path), self.tier, None, step, True)
+            try:
+                md = self.metadata(path)
+            except CliError as e:
+                row.error = e.message
+            else:
+                snap = _DcpSnapshot(self, step, path, md)
+                row.world_size = snap.world_size()
+                row.shards = len(snap.files())
+                row.raw_bytes = sum(snap.entry_bytes(n) for n in snap.entries)
+                row.stored_bytes = sum((path / f).stat().st_size for f in snap.files() if (path / f).exists())
+                row.created = (path / ".metadata").stat().st_mtime
+            out.append(row)
+        return out
+
+    def committed(self) -> list[int]:
+        return [s for s, _ in self.checkpoints if s is not None]
+
+    def open(self, step: int | None) -> Snapshot:
+        if step is None:
+            s, path = self.checkpoints[-1]
+            return _DcpSnapshot(self, s, path, self.metadata(path))
+        for s, path in self.checkpoints:
+            if s == step:
+                return _DcpSnapshot(self, s, path, self.metadata(path))
+        steps = ", ".join(str(s) for s in self.committed()) or "none: its name has no step number"
+        raise CliError(f"step {step} is not in {self.uri} (steps: {steps})")
+
+    def _open(self, step: int) -> Snapshot:
+        return self.open(step)
+
+    def _path(self, step: int | None) -> Path:
+        for s, path in self.checkpoints:
+            if s == step:
+                return path
+        raise CliError(f"step {step} is not in {self.uri}")
+
+    def all_steps(self) -> list[int | None]:
+        return [s for s, _ in self.checkpoints]
+
+    def verify_bytes(self, step: int | None) -> int:
+        path = self._path(step)
+        try:
+            snap = _DcpSnapshot(self, step, path, self.metadata(path))
+        except CliError:
+            return 0
+        return sum(info.length for info in snap.storage_infos().values())
+
+    def verify(self, step: int | None, progress: Progress) -> VerifyResult:
+        """DCP keeps no checksums: check that every item's bytes exist in its file."""
+        res = VerifyResult()
+        path = self._path(step)
+        try:
+            snap = _DcpSnapshot(self, step, path, self.metadata(path))
+        except CliError as e:
+            res.failures.append(Failure(None, step, None, None, self.tier, str(path), e.message))
+            return res
+        sizes: dict[str, int | None] = {}
+        for n, (index, info) in enumerate(snap.storage_infos().items()):
+            rel = info.relative_path
+            if rel not in sizes:
+                try:
+                    sizes[rel] = (path / rel).stat().st_size
+                except OSError:
+                    sizes[rel] = None
+            rank_m = _DISTCP_RANK.match(rel)
+            rank = int(rank_m.group(1)) if rank_m else None
+            size = sizes[rel]
+            if size is None:
+                res.failures.append(Failure(None, step, rank, n, self.tier, str(path),
+                                            f"{index.fqn}: file {rel} is missing"))
+            elif info.offset + info.length > size:
+                res.failures.append(Failure(None, step, rank, n, self.tier, str(path),
+                                            f"{index.fqn}: {rel} is truncated ({size} bytes, the item "
+                                            f"ends at {info.offset + info.length})"))
+            res.chunks += 1
+            res.bytes += info.length
+            progress(info.length)
+        return res
+
+
+class _DcpSnapshot(Snapshot):
+    source: DcpSource
+
+    def __init__(self, source: DcpSource, step: int | None, path: Path, md: Metadata) -> None:
+        self.source = source
+        self.step = step
+        self.path = path
+        self.metadata = md
+        self.entries = Manifest.entries_from_dcp(md)
+        self.planner_data = {k: tuple(v) for k, v in (md.planner_data or {}).items()}
+        sizes: dict[str, int] = {}
+        for index, info in self.storage_infos().items():
+            if isinstance(md.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
+                sizes[index.fqn] = sizes.get(index.fqn, 0) + int(getattr(info, "length", 0))
+        self.object_sizes = sizes
+
+    def storage_infos(self) -> dict[MetadataIndex, Any]:
+        data = self.metadata.storage_data
+        return dict(data) if isinstance(data, Mapping) else {}
+
+    def files(self) -> list[str]:
+        return sorted({info.relative_path for info in self.storage_infos().values()})
+
+    def world_size(self) -> int | None:
+        ranks = {int(m.group(1)) for f in self.files() if (m := _DISTCP_RANK.match(f))}
+        return len(ranks) or None
+
+    def summary(self) -> dict[str, Any]:
+        try:
+            created: float | None = (self.path / ".metadata").stat().st_mtime
+        except OSError:
+            created = None
+        return {
+            "world_size": self.world_size(),
+            "created": created,
+            "format_version": getattr(self.metadata, "version", None),
+            "mesh": {},
+            "timings": {},
+            "shards": [
+                {"file": f, "size": (self.path / f).stat().st_size if (self.path / f).exists() else None}
+                for f in self.files()
+            ],
+        }
+
+    @contextlib.contextmanager
+    def reader(self, names: Collection[str], progress: Progress = _nop) -> Iterator[StorageReader]:
+        yield SafeFileSystemReader(self.path, unsafe=self.source.unsafe)
+
+
+# -- resolving a URI -----------------------------------------------------------------------------
+
+
+def _dir_kind(d: Path, default: str) -> str | None:
+    """TIER_MEMORY / TIER_DURABLE when ``d`` is a job directory, else None. Shard files say node
+    store, chunk directories say durable; a directory of manifests only gets ``default``."""
+    try:
+        names = os.listdir(d)
+    except OSError:
+        return None
+    steps = sorted((n for n in names if _STEP_DIR.match(n)), reverse=True)
+    if not steps:
+        return TIER_MEMORY if ".slots" in names else None
+    for s in steps:
+        try:
+            inner = list(os.scandir(d / s))
+        except OSError:
+            continue
+        for e in inner:
+            if _RANK_DIR.match(e.name) and e.is_dir():
+                return TIER_DURABLE
+            if _RANK_SHARD.match(e.name):
+                return TIER_MEMORY
+    return default
+
+
+def _step_of(path: Path) -> int | None:
+    m = _TRAILING_INT.search(path.name)
+    return int(m.group(1)) if m else None
+
+
+def _cli_store(url: str) -> ObjectStore:
+    """An object store for reading: few, short retries (a person is waiting)."""
+    opts: dict[str, Any] = {}
+    if url.startswith("s3://"):
+        opts = {"retry": RetryPolicy(max_attempts=3, max_total_s=30.0), "connect_timeout_s": 5.0}
+    try:
+        return open_store(url, **opts)
+    except AegisError as e:
+        raise CliError(str(e)) from e
+
+
+def _local(path: Path, display: str, *, unsafe: bool, default: str = TIER_MEMORY) -> list[Source]:
+    if not path.exists():
+        raise CliError(f"{display}: no such file or directory")
+    if not path.is_dir():
+        raise CliError(f"{display}: not a directory (give a node store, a durable root or a DCP "
+                       "checkpoint directory)")
+    path = path.resolve()
+    if (path / ".metadata").is_file():
+        return [DcpSource(str(path), [(_step_of(path), path)], unsafe=unsafe)]
+    kind = _dir_kind(path, default)
+    if kind is not None:
+        if not _JOB_NAME.match(path.name):
+            raise CliError(f"{display}: {path.name!r} is not a valid aegis job name")
+        return [_make(kind, path.parent, path.name)]
+    sources: list[Source] = []
+    dcps: list[tuple[int | None, Path]] = []
+    try:
+        children = sorted(path.iterdir())
+    except OSError as e:
+        raise CliError(f"{display}: {e.strerror or e}") from e
+    for child in children:
+        if not child.is_dir():
+            continue
+        if (child / ".metadata").is_file():
+            dcps.append((_step_of(child), child))
+            continue
+        if _JOB_NAME.match(child.name) and (kind := _dir_kind(child, default)) is not None:
+            sources.append(_make(kind, path, child.name))
+    if dcps:
+        sources.append(DcpSource(str(path), dcps, unsafe=unsafe))
+    if not sources:
+        raise CliError(
+            f"{display}: no aegis snapshots or DCP checkpoints here (expected <job>/step-NNNNNNNN/ "
+            "directories, a .metadata file, or directories holding one)"
+        )
+    return sources
+
+
+def _make(kind: str, root: Path, job: str) -> Source:
+    if kind == TIER_DURABLE:
+        return DurableSource(_cli_store(f"file://{root}"), job)
+    return NodeStoreSource(root, job)
+
+
+def _s3(url: str) -> list[Source]:
+    parsed = urlparse(url)
+    base = f"s3://{parsed.netloc}"
+    prefix = parsed.path.strip("/")
+    store = _cli_store(url)
+    found: set[str] = set()
+    try:
+        store.check()  # names a missing bucket or missing credentials in one line
+        for obj in store.list(""):
+            m = _DURABLE_KEY.match(obj.key)
+            if m:
+                found.add(m.group("pre") or "")
+    except AegisError as e:
+        raise CliError(str(e)) from e
+    finally:
+        store.close()
+    if not found:
+        raise CliError(f"{url}: no aegis snapshots here (expected <job>/step-NNNNNNNN/manifest.json)")
+    sources: list[Source] = []
+    for pre in sorted(found):
+        if pre == "":  # the URL is one job's prefix
+            if not prefix:
+                raise CliError(f"{url}: steps at the bucket root; aegis keeps them under <root>/<job>/")
+            parent, _, job = prefix.rpartition("/")
+        else:
+            sub, _, job = pre.rpartition("/")
+            parent = "/".join(p for p in (prefix, sub) if p)
+        if not _JOB_NAME.match(job):
+            continue
+        sources.append(DurableSource(_cli_store(f"{base}/{parent}" if parent else base), job))
+    if not sources:
+        raise CliError(f"{url}: no aegis job prefixes here")
+    return sources
+
+
+def resolve(uri: str, *, unsafe: bool = False) -> list[Source]:
+    """Every job's source at ``uri`` (see the module docstring). One-line errors for bad URIs."""
+    if "://" in uri:
+        parsed = urlparse(uri)
+        if parsed.scheme == "file":
+            if parsed.netloc not in ("", "localhost"):
+                raise CliError(f"{uri}: use file:///absolute/path")
+            return _local(Path(parsed.path), uri, unsafe=unsafe, default=TIER_DURABLE)
+        if parsed.scheme == "s3":
+            if not parsed.netloc:
+                raise CliError(f"{uri}: missing bucket (s3://bucket/prefix)")
+            return _s3(uri)
+        raise CliError(f"{uri}: unsupported scheme {parsed.scheme!r}; use a directory, file:///path "
+                       "or s3://bucket/prefix")
+    return _local(Path(uri), uri, unsafe=unsafe)
+
+
+def pick(sources: list[Source], job: str | None, uri: str) -> Source:
+    """The one source a command works on: ``--job`` chooses when several jobs are there."""
+    if job is not None:
+        chosen = [s for s in sources if s.job == job]
+        if not chosen:
+            jobs = ", ".join(sorted({s.job for s in sources if s.job})) or "none"
+            raise CliError(f"{uri}: no job {job!r} here (jobs: {jobs})")
+        sources = chosen
+    if len(sources) > 1:
+        jobs = ", ".join(s.job or f"{s.tier} checkpoints" for s in sources)
+        raise CliError(f"{uri} holds several jobs ({jobs}); choose one with --job")
+    return sources[0]
