@@ -130,6 +130,7 @@ class Campaign:
         self._durable_max = -1
         self._durable_violations: list[str] = []
         self._durable_polls = 0
+        self._memory_committed: dict[int, float] = {}  # step -> first seen with a manifest
         self._monitor_stop = threading.Event()
         self._monitor_paused = threading.Event()
         self.loss_log = self.work / "loss.jsonl"
@@ -177,6 +178,7 @@ class Campaign:
 
         store = self._durable_store()
         while not self._monitor_stop.wait(0.3):
+            self._watch_node_stores()
             if self._monitor_paused.is_set():
                 continue
             try:
@@ -184,12 +186,29 @@ class Campaign:
             except Exception:  # noqa: BLE001 - the server is being faulted
                 continue
             self._durable_polls += 1
-            if self._durable_max >= 0 and self._durable_max not in committed:
-                # a newer commit can only add: the newest one seen must still be listed
+            if max(committed, default=-1) < self._durable_max:
+                # retention may delete a step only once a newer one is committed: the newest
+                # committed step seen so far (or a newer one) must always be there
                 self._durable_violations.append(
                     f"durable step {self._durable_max} (the newest committed seen) is gone: {committed}")
             if committed:
                 self._durable_max = max(self._durable_max, committed[-1])
+
+    def _watch_node_stores(self) -> None:
+        """When each step's manifest first appeared on some node: the step was committed then
+        (the manifest is written only after every shard and replica was verified)."""
+        cl = self.cluster
+        if cl is None:
+            return
+        now = time.time()
+        try:
+            nodes = list(cl.nodes.values())
+        except RuntimeError:  # the main thread added a node meanwhile
+            return
+        for nd in nodes:
+            for m in (nd.store_dir / self.job).glob("step-*/manifest.json"):
+                with contextlib.suppress(ValueError):
+                    self._memory_committed.setdefault(int(m.parent.name[5:]), now)
 
     def _trainer_args(self, steps: int, job: str, loss: Path, digest: Path) -> list[str]:
         c = self.cfg
@@ -454,20 +473,26 @@ class Campaign:
     def _check_restores(self, rec: FaultRecord, restores: list[dict[str, Any]]) -> None:
         all_events = self._events()
         digests = read_jsonl(self.digest_log)
+        firsts = sorted(e["time"] for e in restores if e["rank"] == 0)
         for e in restores:
             if e["rank"] != 0:
                 continue
             t, step = e["time"], e["step"]
-            committed = [x for x in all_events if x["time"] < t and x.get("step") == step and (
-                (x["event"] == "snapshot" and x.get("committed") and x["rank"] == 0)
-                or (x["event"] == "upload" and x.get("committed") and x["rank"] == 0))]
-            rec.checks.append((f"restored step {step} was committed before the restore", bool(committed)))
+            interrupted = any(t < t2 for t2 in firsts)  # another restore followed this one
+            # committed = a manifest on a node, or a committed event of any rank (a rank may die
+            # between the manifest writes and its event), or a committed durable upload
+            committed = self._memory_committed.get(step, float("inf")) < t or any(
+                x["time"] < t and x.get("step") == step and x.get("committed")
+                and x["event"] in ("snapshot", "upload") for x in all_events)
+            rec.checks.append((f"restored step {step} was committed before the restore", committed))
             durable = [x["step"] for x in all_events if x["time"] < t and x["event"] == "upload"
                        and x.get("committed") and x["rank"] == 0]
             if durable:
                 rec.checks.append((f"restored step {step} >= newest durable step {max(durable)}", step >= max(durable)))
             saved = {d["digest"] for d in digests if d["phase"] == "saved" and d["step"] == step and d["time"] < t}
             back = [d for d in digests if d["phase"] == "restored" and d["step"] == step and d["time"] > t - 1]
+            if not back and interrupted:
+                continue  # lost again before it could log its state; the next restore is checked
             rec.checks.append((f"restored state of step {step} is bitwise a state saved at that step",
                                bool(back) and back[0]["digest"] in saved))
 
