@@ -20,42 +20,13 @@ def store_dir() -> Path:
 
 # -- a real S3 server on loopback (moto's server over HTTP) -------------------------------------
 
-import socket  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-
-S3_ENV = {
-    "AWS_ACCESS_KEY_ID": "testing",
-    "AWS_SECRET_ACCESS_KEY": "testing",
-    "AWS_DEFAULT_REGION": "us-east-1",
-}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.servers import S3_ENV, start_moto  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def s3_server():
     """moto's S3 server as a separate process on a loopback port; yields its endpoint URL."""
-    port = _free_port()
-    moto = Path(sys.executable).with_name("moto_server")
-    proc = subprocess.Popen([str(moto), "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    endpoint = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            break
-        except OSError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                raise RuntimeError("moto_server did not start") from None
-            time.sleep(0.1)
+    proc, endpoint = start_moto()
     yield endpoint
     proc.terminate()
     proc.wait(timeout=10)

@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -19,37 +18,19 @@ import pytest
 
 from aegis import Manager, ModelOptimizerState
 from aegis.snapshot.node_store import NodeStore
+from tests.chaos.campaign import fill
 from tests.dist_utils import run_ranks
 from tests.models import build, train_step
+from tests.servers import mount_tmpfs, start_moto, umount
 
 JOB = "hardening"
 
 
 @pytest.fixture
 def small_tmpfs(tmp_path: Path) -> Path:
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    mnt = tmp_path / "tmpfs"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)], check=True)
+    mnt = mount_tmpfs(tmp_path / "tmpfs", "16m")
     yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
-def fill(directory: Path) -> Path:
-    """Take every free byte of the file system holding ``directory``."""
-    ballast = directory / "ballast"
-    with open(ballast, "wb", buffering=0) as f:
-        st = os.statvfs(directory)
-        if st.f_bavail:
-            os.posix_fallocate(f.fileno(), 0, st.f_bavail * st.f_frsize)
-        f.seek(0, os.SEEK_END)
-        try:  # whatever rounding left
-            while f.write(b"\0" * 4096):
-                pass
-        except OSError:
-            pass
-    return ballast
+    umount(mnt)
 
 
 # -- a node store that fills up mid-run ----------------------------------------------------------
@@ -110,25 +91,9 @@ def test_full_node_store_skips_the_snapshot_and_training_goes_on(small_tmpfs: Pa
 def own_s3() -> Any:
     """A moto server of this test's own, so the test can freeze it (SIGSTOP)."""
     import signal
-    import socket
-    import sys
-    import time
 
-    from tests.dist_utils import free_port
-
-    port = free_port()
-    moto = Path(sys.executable).with_name("moto_server")
-    proc = subprocess.Popen([str(moto), "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            break
-        except OSError:
-            assert time.monotonic() < deadline and proc.poll() is None, "moto_server did not start"
-            time.sleep(0.1)
-    yield proc, f"http://127.0.0.1:{port}"
+    proc, endpoint = start_moto()
+    yield proc, endpoint
     os.kill(proc.pid, signal.SIGCONT)
     proc.terminate()
     proc.wait(timeout=10)

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +14,7 @@ from aegis.snapshot.manifest import Manifest
 from aegis.snapshot.node_store import NodeStore
 from tests.dist_utils import run_ranks
 from tests.models import Counter, build, full_state, train_step
+from tests.servers import mount_tmpfs, umount
 
 JOB = "t"
 
@@ -306,13 +305,9 @@ def _save_one(rank: int, world: int, store: str) -> str:
 
 @pytest.fixture
 def tiny_tmpfs(tmp_path: Path) -> Path:
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    mnt = tmp_path / "tmpfs"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], check=True)
+    mnt = mount_tmpfs(tmp_path / "tmpfs", "2m")
     yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
+    umount(mnt)
 
 
 def test_tmpfs_too_small_fails_before_the_first_save_with_the_numbers(tiny_tmpfs: Path) -> None:

@@ -43,7 +43,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -55,16 +54,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aegis.sim.cluster import SimCluster, free_port
+from aegis.sim.cluster import SimCluster
 from aegis.sim.netns import NetnsNetwork, netns_available
 from aegis.sim.procs import descendants, kill_tree, wait_gone
 from aegis.sim.scenario import TRAINER, read_events, read_jsonl, wait_exited
 from aegis.snapshot.node_store import NodeStore
+from tests.servers import S3_ENV, free_port, start_moto
 
 KINDS = ("kill", "freeze", "partition", "s3_outage", "store_full", "double_kill")
 RESTART_KINDS = ("kill", "double_kill")
-S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-          "AWS_DEFAULT_REGION": "us-east-1"}
 BUCKET = "aegis-chaos"
 
 
@@ -143,21 +141,8 @@ class Campaign:
         from tests.chaos.tcp_proxy import TcpProxy
 
         host = self.net.hub if self.net else "127.0.0.1"
-        mport, pport = free_port(), free_port()
-        moto = Path(sys.executable).with_name("moto_server")
-        self.moto = subprocess.Popen([str(moto), "-H", host, "-p", str(mport)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     env={**os.environ, "AEGIS_CHAOS": self.marker})
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection((host, mport), timeout=0.5).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("moto_server did not start") from None
-                time.sleep(0.1)
-        self.moto_url = f"http://{host}:{mport}"
+        self.moto, self.moto_url = start_moto(host, env={"AEGIS_CHAOS": self.marker})
+        mport, pport = int(self.moto_url.rsplit(":", 1)[1]), free_port(host)
         self.proxy = TcpProxy((host, pport), (host, mport))
         self.proxy.up()
         self.s3_url = f"http://{host}:{pport}"
