@@ -494,7 +494,11 @@ def main(argv: list[str] | None = None) -> int:
 
     rank, world, local_rank, store_path = init_distributed(args.device, args.pg_timeout)
     try:
-        return _train(args, rank, world, local_rank)
+        rc = _train(args, rank, world, local_rank)
+        # Every rank leaves together: a rank tearing gloo down while a peer still finishes its
+        # last collective was seen to abort that peer at exit (SIGABRT, "terminate called").
+        dist.barrier()
+        return rc
     finally:
         dist.destroy_process_group()
         if store_path is not None and os.path.exists(store_path):
