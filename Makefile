@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: venv demo test chaos lint bench clean
+.PHONY: venv demo test chaos lint bench goodput clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -23,11 +23,30 @@ demo: venv
 test: venv
 	$(BIN)/python -m pytest -q
 
-# The full chaos campaign (~30 min here): 50 seeded faults on the simulated cluster, with the
+# The full chaos campaign (~25 min here): 50 seeded faults on the simulated cluster, with the
 # invariant table; `make test` runs a one-fault-per-kind slice of it. Needs root for network
 # namespaces and tmpfs mounts (faults it cannot inject are reported, not passed).
 chaos: venv
 	$(BIN)/python -m tests.chaos.campaign --seed 1 --faults 50 --out bench/results/chaos.json
+
+# The benchmark suite (< 10 min on this 2-core machine): every case side by side with DCP on the
+# same state, JSON + PNG in bench/results/, bench/results/summary.md and the README's summary
+# block. `make bench BENCH_SIZE=4` multiplies every state size (bigger machines). Needs the bench extra
+# (s3fs, for DCP over S3).
+BENCH_SIZE ?= 1
+BENCH_STAMP := $(VENV)/.bench-stamp
+
+$(BENCH_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q -e ".[dev,bench]"
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
+	$(BIN)/python bench/run_all.py --size $(BENCH_SIZE)
+
+# The goodput experiment (~7 min): measured effective training time under node losses at a fixed
+# rate against what `aegis plan` predicts, memory + durable and durable only.
+goodput: venv
+	$(BIN)/python bench/goodput.py
 
 lint: venv
 	$(BIN)/ruff check aegis tests bench examples

@@ -1,92 +1,103 @@
 #!/usr/bin/env python
-"""How long a snapshot blocks training: aegis vs. a plain memcpy vs. DCP save / async_save.
+"""Case 1: how long a snapshot blocks training, across state sizes: aegis vs ``dcp.save`` vs
+``dcp.async_save`` (thread and process modes) vs the memcpy floor, side by side in one run.
 
-Spawns ``--world`` ranks (separate processes, a real gloo group on loopback). Every rank holds
-an FSDP2 model (a stack of ``Linear`` layers, ``fully_shard`` per layer and at the root) and
-its AdamW optimizer after a real step, sized so that the rank's local params + exp_avg +
-exp_avg_sq are at least ``--mb-per-rank`` MiB. For that same state it times, per rank:
+Spawns ``--world`` ranks (separate processes, a real gloo group on loopback). For every size in
+``--sizes-mib`` (MiB of params + exp_avg + exp_avg_sq per rank, times ``--size``) every rank
+builds an FSDP2 model (a stack of ``Linear`` layers, ``fully_shard`` per layer and at the root)
+and its AdamW optimizer after a real step, and times, per rank, on that same state:
 
 ==================  ==========================================================================
-floor               copy of every local tensor shard of the state dict into one preallocated,
-                    pre-touched anonymous buffer: the memcpy a snapshot cannot avoid
-floor_shm           (diagnostic) the same copy into a pre-faulted MAP_SHARED tmpfs mapping,
-                    the kind of memory an aegis slot is
-get_state_dict      (diagnostic) ``get_state_dict(model, opt)`` alone
-aegis_blocking      ``Manager.save(step)`` (includes its ``get_state_dict``)
-aegis_background    ``SnapshotResult.background_s``: crc32c, index, commit
-aegis_total         blocking + background
+floor               copy of every local tensor shard into one preallocated, pre-touched buffer
+                    (on CUDA: device-to-host into pinned memory): the copy a snapshot cannot avoid
+aegis               ``Manager.save(step)`` until it returns (its ``get_state_dict``, the copy into
+                    the node store); its background part (crc32c, index, commit) is reported too
 dcp_save            ``get_state_dict`` + ``dcp.save`` into a directory (tmpfs by default)
-dcp_async_blocking  ``get_state_dict`` + ``dcp.async_save(..., THREAD)`` until it returns
-dcp_async_total     ... until ``future.result()`` returns
+dcp_async_thread    ``get_state_dict`` + ``dcp.async_save(..., THREAD)`` until it returns
+dcp_async_process   the same with ``AsyncCheckpointerType.PROCESS`` (a checkpoint daemon process
+                    per rank, its own gloo group; started in the warm-up repetition)
 ==================  ==========================================================================
 
-Each case runs 1 warm-up + ``--repeats`` timed repetitions, with an untimed training step
-(forward, backward, ``optimizer.step``) before each one, as in a real loop. Background work of
-one save is always finished before the next one starts. Per repetition the slowest rank counts
-(it is the one that blocks training); the table shows median and min over repetitions.
+For the async modes the time until the checkpoint is complete (``future.result()``) is recorded
+as ``*_total``. Each case runs 1 warm-up + ``--repeats`` timed repetitions, each after an
+untimed training step (forward, backward, ``optimizer.step``); background work of one save
+finishes before the next begins. Per repetition the slowest rank counts (it blocks training);
+tables show the median over repetitions. A case that fails (e.g. a mode this torch or device
+does not support) is reported as not available, with its error.
 
-    .venv/bin/python bench/snapshot_overhead.py              # 2 ranks x 200 MiB, 5 repeats
-    .venv/bin/python bench/snapshot_overhead.py --mb-per-rank 50 --repeats 3
+    .venv/bin/python bench/snapshot_overhead.py                 # 8, 32, 128 MiB per rank
+    .venv/bin/python bench/snapshot_overhead.py --size 4        # 32, 128, 512 MiB per rank
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import gc
 import math
-import mmap
 import os
-import platform
-import shlex
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
 import time
-import traceback
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.multiprocessing as mp
-from _machine import machine_basics  # noqa: E402 - bench/ is on sys.path as a script
-from torch import nn
+from _common import (  # noqa: E402 - bench/ is on sys.path as a script
+    RESULTS,
+    f,
+    md_table,
+    new_doc,
+    plt,
+    run_ranks,
+    size_arg,
+    text_table,
+    write_doc,
+)
 
-ALL_CASES = ("floor", "floor_shm", "get_state_dict", "aegis", "dcp_save", "dcp_async_save")
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "snapshot_overhead.json"
+NAME = "snapshot_overhead"
+CASES = ("floor", "aegis", "dcp_save", "dcp_async_thread", "dcp_async_process")
+LABELS = {
+    "floor": "memcpy floor",
+    "aegis": "aegis save()",
+    "dcp_save": "dcp.save (dir)",
+    "dcp_async_thread": "dcp.async_save thread",
+    "dcp_async_process": "dcp.async_save process",
+}
 _ALIGN = 64
 
 
-def _parse(argv: list[str] | None) -> argparse.Namespace:
+def _parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--world", type=int, default=2, help="ranks (processes); default 2")
-    p.add_argument("--mb-per-rank", type=float, default=200.0,
-                   help="minimum MiB of params + exp_avg + exp_avg_sq per rank; default 200")
+    p.add_argument("--sizes-mib", default="8,32,128",
+                   help="MiB of params + exp_avg + exp_avg_sq per rank; default 8,32,128")
+    size_arg(p)
     p.add_argument("--dim", type=int, default=1024, help="Linear width; default 1024")
     p.add_argument("--batch", type=int, default=8, help="training batch rows; default 8")
-    p.add_argument("--repeats", type=int, default=5, help="timed repetitions per case")
+    p.add_argument("--repeats", type=int, default=3, help="timed repetitions per case")
     p.add_argument("--warmup", type=int, default=1, help="untimed repetitions first")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads / OMP_NUM_THREADS per rank; default 1")
-    p.add_argument("--cases", default=",".join(ALL_CASES),
-                   help=f"comma-separated subset of {','.join(ALL_CASES)}")
+    p.add_argument("--cases", default=",".join(CASES), help=f"subset of {','.join(CASES)}")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto: cuda when available (then 1 rank per GPU)")
     p.add_argument("--work-dir", default="/dev/shm",
-                   help="parent of the run's aegis store and DCP checkpoints (default /dev/shm, "
-                   "a tmpfs, so that disk speed does not dominate DCP)")
-    p.add_argument("--keep-files", action="store_true", help="leave the run's files behind")
-    p.add_argument("--timeout", type=float, default=1200.0, help="seconds for the whole run")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON results ({DEFAULT_OUT})")
+                   help="parent of the aegis store and DCP directories (default /dev/shm, a "
+                   "tmpfs, so that disk speed does not dominate DCP)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds for the whole run")
+    p.add_argument("--out", type=Path, default=RESULTS / f"{NAME}.json")
     args = p.parse_args(argv)
-    cases = [c for c in args.cases.split(",") if c]
-    unknown = sorted(set(cases) - set(ALL_CASES))
-    if unknown:
-        p.error(f"--cases: unknown {unknown}; choose from {list(ALL_CASES)}")
-    args.cases = cases
-    if args.world < 1 or args.repeats < 1 or args.warmup < 0 or args.threads < 1:
-        p.error("--world, --repeats and --threads must be >= 1, --warmup >= 0")
+    args.cases = [c for c in args.cases.split(",") if c]
+    if set(args.cases) - set(CASES):
+        p.error(f"--cases: choose from {CASES}")
+    args.sizes = [float(x) * args.size for x in args.sizes_mib.split(",") if x]
+    import torch
+
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda":
+        args.world = min(args.world, torch.cuda.device_count())  # NCCL: one rank per GPU
     if args.dim % args.world:
         p.error(f"--dim {args.dim} must be divisible by --world {args.world} (even shards)")
     return args
@@ -95,22 +106,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 # -- one rank --------------------------------------------------------------------------------
 
 
-class _Stack(nn.Module):
-    def __init__(self, dim: int, n_layers: int) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(n_layers))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return x
-
-
-def _local_tensors(sd: dict[str, Any]) -> list[torch.Tensor]:
+def _local_tensors(sd: Any) -> list[Any]:
     """Every tensor of a nested state dict, DTensors as their local shard."""
+    import torch
     from torch.distributed.tensor import DTensor
 
-    out: list[torch.Tensor] = []
+    out: list[Any] = []
 
     def walk(v: Any) -> None:
         if isinstance(v, DTensor):
@@ -128,13 +129,7 @@ def _local_tensors(sd: dict[str, Any]) -> list[torch.Tensor]:
     return out
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _views(buf: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+def _views(buf: Any, tensors: list[Any]) -> list[Any]:
     views, off = [], 0
     for t in tensors:
         n = t.numel() * t.element_size()
@@ -143,20 +138,12 @@ def _views(buf: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]
     return views
 
 
-def _buffer_bytes(tensors: list[torch.Tensor]) -> int:
-    return sum((t.numel() * t.element_size() + _ALIGN - 1) // _ALIGN * _ALIGN for t in tensors)
-
-
-def _copy(views: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
-    with torch.no_grad():
-        for dst, src in zip(views, tensors, strict=True):
-            dst.copy_(src)
-
-
-def _rank_main(rank: int, world: int, args: argparse.Namespace, root: str, dcp_root: str
-               ) -> dict[str, Any]:
+def _one_size(rank: int, world: int, args: argparse.Namespace, mib: float, root: Path
+              ) -> dict[str, Any]:
+    import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from torch import nn
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
     from torch.distributed.device_mesh import init_device_mesh
@@ -164,31 +151,37 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, root: str, dcp_r
 
     import aegis
 
+    cuda = args.device == "cuda"
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
     dim = args.dim
     per_layer = 3 * 4 * (dim * dim + dim) // world  # params + exp_avg + exp_avg_sq, fp32
-    n_layers = max(1, math.ceil(args.mb_per_rank * 2**20 / per_layer))
+    n_layers = max(1, math.ceil(mib * 2**20 / per_layer))
     torch.manual_seed(0)
-    model = _Stack(dim, n_layers)
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in model.layers:
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(dim, dim), nn.Tanh())
+                            for _ in range(n_layers))).to(dev)
+    mesh = init_device_mesh(args.device, (world,))
+    for layer in model:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
-    gen = torch.Generator().manual_seed(1234 + rank)
+    gen = torch.Generator(device=dev).manual_seed(1234 + rank)
 
     def train_step() -> None:
-        x = torch.randn(args.batch, dim, generator=gen)
+        x = torch.randn(args.batch, dim, generator=gen, device=dev)
         model(x).pow(2).mean().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
     train_step()  # optimizer state exists from here on
-    sd_model, sd_optim = get_state_dict(model, opt)
-    tensors = _local_tensors({"model": sd_model, "optim": sd_optim})
+    tensors = _local_tensors(get_state_dict(model, opt))
     state_bytes = sum(t.numel() * t.element_size() for t in tensors)
-    del sd_model, sd_optim
-
     raw: dict[str, list[float]] = {}
+    errors: dict[str, str] = {}
     extra: dict[str, Any] = {}
     step = 0
 
@@ -197,71 +190,46 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, root: str, dcp_r
         for i in range(args.warmup + args.repeats):
             train_step()
             step += 1
+            sync()
             dist.barrier()
-            m = fn(step)
+            try:
+                m, err = fn(step), ""
+            except Exception as e:  # noqa: BLE001 - agreed on below, reported as not available
+                m, err = {}, f"{type(e).__name__}: {e}"
+            # Every rank learns whether any failed, so none waits in a collective of a dead case.
+            flag = torch.tensor([1 if err else 0])
+            dist.all_reduce(flag)
+            if int(flag):
+                errors[case] = err or "failed on another rank"
+                for k in [k for k in raw if k.startswith(case)]:
+                    del raw[k]
+                return
             dist.barrier()
             if i >= args.warmup:
                 for k, v in m.items():
                     raw.setdefault(k, []).append(v)
-            else:
-                for k, v in m.items():
-                    extra.setdefault("warmup", {}).setdefault(k, []).append(v)
 
-    # 1. floor: memcpy into pre-touched anonymous memory.
     if "floor" in args.cases:
-        buf = torch.zeros(_buffer_bytes(tensors), dtype=torch.uint8)
+        buf = torch.zeros(sum((t.numel() * t.element_size() + _ALIGN - 1) // _ALIGN * _ALIGN
+                              for t in tensors), dtype=torch.uint8, pin_memory=cuda)
         views = _views(buf, tensors)
 
         def floor(_: int) -> dict[str, float]:
-            msd, osd = get_state_dict(model, opt)
-            src = _local_tensors({"model": msd, "optim": osd})
+            src = _local_tensors(get_state_dict(model, opt))
             t0 = time.perf_counter()
-            _copy(views, src)
+            with torch.no_grad():
+                for dst, s in zip(views, src, strict=True):
+                    dst.copy_(s, non_blocking=cuda)
+            sync()
             return {"floor": time.perf_counter() - t0}
 
         run("floor", floor)
         del buf, views
 
-    # 1b. the same copy into a pre-faulted shared tmpfs mapping (what an aegis slot is).
-    if "floor_shm" in args.cases:
-        path = Path(root) / f"floor-shm-rank{rank}"
-        nbytes = _buffer_bytes(tensors)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        os.ftruncate(fd, nbytes)
-        os.posix_fallocate(fd, 0, nbytes)
-        mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                       prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        shm = torch.frombuffer(mm, dtype=torch.uint8)
-        shm.zero_()
-        views = _views(shm, tensors)
-
-        def floor_shm(_: int) -> dict[str, float]:
-            msd, osd = get_state_dict(model, opt)
-            src = _local_tensors({"model": msd, "optim": osd})
-            t0 = time.perf_counter()
-            _copy(views, src)
-            return {"floor_shm": time.perf_counter() - t0}
-
-        run("floor_shm", floor_shm)
-        del views, shm
-        mm.close()
-        os.close(fd)
-        path.unlink()
-
-    if "get_state_dict" in args.cases:
-        def gsd(_: int) -> dict[str, float]:
-            t0 = time.perf_counter()
-            get_state_dict(model, opt)
-            return {"get_state_dict": time.perf_counter() - t0}
-
-        run("get_state_dict", gsd)
-
-    # 2. aegis
     if "aegis" in args.cases:
-        store_dir = str(Path(root) / "aegis-store")
-        job = "bench"
-        mgr = aegis.Manager(job, {"model": aegis.ModelOptimizerState(model, opt)}, every=1,
-                            keep=1, store_dir=store_dir, verbose=False)
+        store_dir = root / f"aegis-{mib:g}"
+        mgr = aegis.Manager("bench", {"model": aegis.ModelOptimizerState(model, opt)}, every=1,
+                            keep=1, replicas=0, store_dir=str(store_dir), verbose=False)
         results: list[dict[str, float]] = []
 
         def aegis_save(s: int) -> dict[str, float]:
@@ -270,50 +238,33 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, root: str, dcp_r
             blocking = time.perf_counter() - t0
             r = mgr.wait()
             assert r is not None and r.committed, r
-            fields = {k: getattr(r, k) for k in (
-                "blocking_s", "wait_s", "copy_s", "plan_s", "background_s", "commit_s")}
-            fields["staging_gbps"] = r.staging_gbps
-            fields["tensor_bytes"] = r.tensor_bytes
-            fields["shard_bytes"] = r.shard_bytes
-            results.append(fields)
-            return {"aegis_blocking": blocking, "aegis_background": r.background_s,
-                    "aegis_total": blocking + r.background_s,
-                    "aegis_engine_blocking": r.blocking_s, "aegis_copy": r.copy_s,
-                    "aegis_outside_engine": blocking - r.blocking_s}
+            results.append({"copy_s": r.copy_s, "plan_s": r.plan_s, "blocking_s": r.blocking_s,
+                            "staging_gbps": r.staging_gbps})
+            return {"aegis": blocking, "aegis_background": r.background_s,
+                    "aegis_copy": r.copy_s}
 
         run("aegis", aegis_save)
         extra["aegis_results"] = results
-        # Sanity: the last snapshot restores into a fresh Manager, bit for bit.
+        # The benchmark would be worthless if the snapshot were wrong: restore the last one
+        # into a fresh Manager, bit for bit.
         last = step
         p = next(model.parameters())
-        ref_param = _local(p).clone()
-        ref_avg = _local(opt.state[p]["exp_avg"]).clone()
+        ref = p.to_local().detach().clone()
         mgr.close()
         train_step()  # move the live state away from the snapshot
-        step += 1
-        diverged = not torch.equal(_local(p), ref_param)
-        manifest = Path(store_dir) / job / f"step-{last:08d}" / "manifest.json"
-        mgr2 = aegis.Manager(job, {"model": aegis.ModelOptimizerState(model, opt)}, every=1,
-                             keep=1, store_dir=store_dir, verbose=False)
+        mgr2 = aegis.Manager("bench", {"model": aegis.ModelOptimizerState(model, opt)}, every=1,
+                             keep=1, replicas=0, store_dir=str(store_dir), verbose=False)
         restored = mgr2.restore()
-        p = next(model.parameters())
-        extra["restore_check"] = {
-            "step_saved": last,
-            "step_restored": restored,
-            "manifest_exists": manifest.is_file(),
-            "state_diverged_before_restore": diverged,
-            "param_equal": torch.equal(_local(p), ref_param),
-            "exp_avg_equal": torch.equal(_local(opt.state[p]["exp_avg"]), ref_avg),
-        }
+        extra["restore_check"] = {"step_saved": last, "step_restored": restored,
+                                  "param_equal": bool(torch.equal(p.to_local(), ref))}
         mgr2.close()
         dist.barrier()
         if rank == 0:
             shutil.rmtree(store_dir, ignore_errors=True)
 
-    # 3. dcp.save
     if "dcp_save" in args.cases:
         def dcp_save(s: int) -> dict[str, float]:
-            ckpt = Path(dcp_root) / f"save-{s:08d}"
+            ckpt = root / "dcp" / f"save-{s:08d}"
             t0 = time.perf_counter()
             msd, osd = get_state_dict(model, opt)
             dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt)
@@ -325,238 +276,167 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, root: str, dcp_r
 
         run("dcp_save", dcp_save)
 
-    # 4. dcp.async_save, thread mode, on its own gloo group
-    if "dcp_async_save" in args.cases:
-        async_pg = dist.new_group(backend="gloo")
+    for case, kind in (("dcp_async_thread", AsyncCheckpointerType.THREAD),
+                       ("dcp_async_process", AsyncCheckpointerType.PROCESS)):
+        if case not in args.cases:
+            continue
+        async_pg = dist.new_group(backend="gloo")  # the checkpoint's collectives off the main PG
 
-        def dcp_async(s: int) -> dict[str, float]:
-            ckpt = Path(dcp_root) / f"async-{s:08d}"
+        def dcp_async(s: int, case: str = case, kind: Any = kind, pg: Any = async_pg
+                      ) -> dict[str, float]:
+            ckpt = root / "dcp" / f"{case}-{s:08d}"
             t0 = time.perf_counter()
             msd, osd = get_state_dict(model, opt)
             fut = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=ckpt,
-                                 process_group=async_pg,
-                                 async_checkpointer_type=AsyncCheckpointerType.THREAD)
+                                 process_group=pg, async_checkpointer_type=kind)
             t1 = time.perf_counter()
-            upload: Any = getattr(fut, "upload_completion", fut)  # AsyncSaveResponse or Future
-            upload.result()
+            getattr(fut, "upload_completion", fut).result()
             t2 = time.perf_counter()
             dist.barrier()
             if rank == 0:
                 shutil.rmtree(ckpt)
-            return {"dcp_async_blocking": t1 - t0, "dcp_async_total": t2 - t0}
+            return {case: t1 - t0, f"{case}_total": t2 - t0}
 
-        run("dcp_async_save", dcp_async)
+        run(case, dcp_async)
         dist.destroy_process_group(async_pg)
 
-    return {
-        "rank": rank,
-        "state_bytes": state_bytes,
-        "n_tensors": len(tensors),
-        "n_layers": n_layers,
-        "params_local": sum(_local(p).numel() for p in model.parameters()),
-        "raw_s": raw,
-        **extra,
-    }
+    return {"mib_target": mib, "state_bytes": state_bytes, "n_tensors": len(tensors),
+            "n_layers": n_layers, "raw_s": raw, "errors": errors, **extra}
 
 
-def _worker(rank: int, world: int, port: int, args: argparse.Namespace, root: str,
-            dcp_root: str, queue: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      OMP_NUM_THREADS=str(args.threads))
-    import torch.distributed as dist
-
-    torch.set_num_threads(args.threads)
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        queue.put((rank, True, _rank_main(rank, world, args, root, dcp_root)))
-    except BaseException as e:  # noqa: BLE001 - reported by the launcher
-        queue.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-# -- launcher --------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _machine() -> dict[str, Any]:
-    basics = machine_basics(("MemTotal", "MemAvailable", "Shmem"))
-    mem = {k: v for k, v in basics.items() if k.endswith("_kib")}
-    cpu = basics["cpu_model"]
-    thp = {}
-    for name in ("enabled", "shmem_enabled"):
-        p = Path("/sys/kernel/mm/transparent_hugepage") / name
-        thp[name] = p.read_text().strip() if p.exists() else None
-    return {"cpu_count": os.cpu_count(), "cpu_model": cpu, **mem, "thp": thp,
-            "torch": torch.__version__, "python": platform.python_version(),
-            "platform": platform.platform(), "device": "cpu"}
-
-
-def _launch(args: argparse.Namespace, root: str, dcp_root: str) -> list[dict[str, Any]]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, args.world, port, args, root, dcp_root, queue),
-                         daemon=True) for r in range(args.world)]
-    for p in procs:
-        p.start()
-    results: dict[int, tuple[bool, Any]] = {}
-    deadline = time.monotonic() + args.timeout
-    try:
-        while len(results) < args.world:
-            rank, ok, value = queue.get(timeout=max(1.0, deadline - time.monotonic()))
-            results[rank] = (ok, value)
-            if not ok:
-                break  # the others would wait forever in a collective
-    finally:
-        for p in procs:
-            p.join(timeout=30 if len(results) == args.world else 1)
-            if p.is_alive():
-                p.kill()
-    failures = {r: v for r, (ok, v) in results.items() if not ok}
-    if failures:
-        raise RuntimeError("\n".join(f"rank {r} failed: {v}" for r, v in sorted(failures.items())))
-    return [results[r][1] for r in range(args.world)]
-
-
-# Rows of the table: (name, raw key, what it is).
-_ROWS = [
-    ("floor", "floor", "memcpy into anonymous memory"),
-    ("floor_shm", "floor_shm", "memcpy into a tmpfs mapping (diagnostic)"),
-    ("get_state_dict", "get_state_dict", "get_state_dict alone (diagnostic)"),
-    ("aegis_blocking", "aegis_blocking", "Manager.save(step)"),
-    ("  engine.save", "aegis_engine_blocking", "SnapshotResult.blocking_s"),
-    ("  copy (stage)", "aegis_copy", "SnapshotResult.copy_s"),
-    ("  outside engine", "aegis_outside_engine", "Manager.save - engine (get_state_dict, rng)"),
-    ("aegis_background", "aegis_background", "SnapshotResult.background_s"),
-    ("aegis_total", "aegis_total", "blocking + background"),
-    ("dcp_save", "dcp_save", "get_state_dict + dcp.save"),
-    ("dcp_async_blocking", "dcp_async_blocking", "get_state_dict + async_save returns"),
-    ("dcp_async_total", "dcp_async_total", "... future.result() returns"),
-]
-
-
-def _summarize(ranks: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Per repetition the slowest rank; then median and min over repetitions."""
-    state_bytes = max(r["state_bytes"] for r in ranks)
-    out = {}
-    for key in ranks[0]["raw_s"]:
-        per_rep = [max(vals) for vals in zip(*(r["raw_s"][key] for r in ranks), strict=True)]
-        med = statistics.median(per_rep)
-        out[key] = {"median_ms": med * 1e3, "min_ms": min(per_rep) * 1e3,
-                    "gbps": state_bytes / med / 1e9 if med > 0 else 0.0,
-                    "per_rep_max_ms": [v * 1e3 for v in per_rep]}
-    floor = out.get("floor", {}).get("median_ms")
-    for v in out.values():
-        v["x_floor"] = v["median_ms"] / floor if floor else None
+def _rank_main(rank: int, world: int, args: argparse.Namespace, root: str) -> list[dict[str, Any]]:
+    out = []
+    for mib in args.sizes:
+        out.append(_one_size(rank, world, args, mib, Path(root)))
+        gc.collect()  # the previous size's model and closures, before the next one is built
     return out
 
 
-def _table(summary: dict[str, dict[str, float]]) -> str:
-    lines = [f"{'case':<20} {'median ms':>10} {'min ms':>10} {'GB/s':>8} {'x floor':>8}  what",
-             "-" * 100]
-    for name, key, what in _ROWS:
-        s = summary.get(key)
-        if s is None:
-            continue
-        xf = f"{s['x_floor']:.2f}" if s["x_floor"] is not None else "n/a"
-        lines.append(f"{name:<20} {s['median_ms']:>10.1f} {s['min_ms']:>10.1f} "
-                     f"{s['gbps']:>8.2f} {xf:>8}  {what}")
+# -- results ---------------------------------------------------------------------------------
+
+
+def summarize(ranks: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per size: per key, per repetition the slowest rank; median and min over repetitions."""
+    out = []
+    for i, r0 in enumerate(ranks[0]):
+        per_size = [r[i] for r in ranks]
+        cases: dict[str, Any] = {}
+        for key in r0["raw_s"]:
+            per_rep = [max(v) for v in zip(*(r["raw_s"][key] for r in per_size), strict=True)]
+            cases[key] = {"median_ms": statistics.median(per_rep) * 1e3,
+                          "min_ms": min(per_rep) * 1e3, "per_rep_ms": [v * 1e3 for v in per_rep]}
+        floor = cases.get("floor", {}).get("median_ms")
+        for v in cases.values():
+            v["x_floor"] = v["median_ms"] / floor if floor else None
+        errors = {}
+        for r in per_size:
+            for k, v in r["errors"].items():
+                if v != "failed on another rank" or k not in errors:
+                    errors[k] = v
+        out.append({"mib_target": r0["mib_target"],
+                    "state_bytes_per_rank": max(r["state_bytes"] for r in per_size),
+                    "n_layers": r0["n_layers"], "cases": cases, "not_available": errors,
+                    "restore_check": [r.get("restore_check") for r in per_size]})
+    return out
+
+
+def _cell(size: dict[str, Any], key: str) -> str:
+    c = size["cases"].get(key)
+    if c is None:
+        return "n/a" if key.split("_total")[0] in size["not_available"] else "-"
+    return f"{c['median_ms']:.1f}"
+
+
+def report(doc: dict[str, Any]) -> str:
+    sizes = doc["sizes"]
+    headers = ["case (median ms, slowest rank)",
+               *(f"{s['state_bytes_per_rank'] / 2**20:.0f} MiB/rank" for s in sizes), "x floor"]
+    rows = []
+    for key in ("floor", "aegis", "aegis_background", "dcp_save", "dcp_async_thread",
+                "dcp_async_thread_total", "dcp_async_process", "dcp_async_process_total"):
+        label = LABELS.get(key) or (LABELS[key.removesuffix("_total")] + " (until complete)"
+                                    if key.endswith("_total") else "aegis background")
+        xf = sizes[-1]["cases"].get(key, {}).get("x_floor")
+        rows.append([label, *(_cell(s, key) for s in sizes), f(xf)])
+    lines = [text_table(headers, rows)]
+    for s in sizes:
+        for k, v in s["not_available"].items():
+            lines.append(f"not available at {s['mib_target']:g} MiB: {k}: {v.splitlines()[0]}")
     return "\n".join(lines)
 
 
-def _targets(summary: dict[str, dict[str, float]]) -> list[dict[str, Any]]:
-    def med(key: str) -> float | None:
-        return summary[key]["median_ms"] if key in summary else None
+def summary_md(doc: dict[str, Any]) -> str:
+    sizes = doc["sizes"]
+    big = sizes[-1]
+    headers = ["snapshot blocking, ms (slowest rank, median)",
+               *(f"{s['state_bytes_per_rank'] / 2**20:.0f} MiB/rank" for s in sizes),
+               f"x floor at {big['state_bytes_per_rank'] / 2**20:.0f} MiB"]
+    rows = []
+    for key in ("floor", "aegis", "dcp_save", "dcp_async_thread", "dcp_async_process"):
+        xf = big["cases"].get(key, {}).get("x_floor")
+        rows.append([LABELS[key], *(_cell(s, key) for s in sizes),
+                     f(xf) if xf is not None else "n/a"])
+    notes = sorted({f"{LABELS[k]}: {v.splitlines()[0][:160]}" for s in sizes
+                    for k, v in s["not_available"].items()})
+    out = md_table(headers, rows)
+    if notes:
+        out += "\n\nNot available: " + "; ".join(notes)
+    return out
 
-    checks = []
-    for name, key, ref, factor in (
-        ("aegis blocking <= 1.5 x floor", "aegis_blocking", "floor", 1.5),
-        ("aegis blocking <= 0.5 x dcp.async_save blocking", "aegis_blocking",
-         "dcp_async_blocking", 0.5),
-    ):
-        a, b = med(key), med(ref)
-        ok = None if a is None or b is None else a <= factor * b
-        checks.append({"check": name, "value_ms": a, "limit_ms": None if b is None else factor * b,
-                       "ratio": None if a is None or not b else a / b,
-                       "result": {True: "PASS", False: "FAIL", None: "n/a"}[ok]})
-    return checks
+
+def plot(doc: dict[str, Any], path: Path) -> None:
+    pyplot = plt()
+    fig, ax = pyplot.subplots(figsize=(7, 4.5))
+    sizes = doc["sizes"]
+    for key, marker in zip(CASES, "o^sDv", strict=True):
+        pts = [(s["state_bytes_per_rank"], s["cases"][key]["median_ms"]) for s in sizes
+               if key in s["cases"]]
+        if pts:
+            ax.plot([p[0] / 2**20 for p in pts], [p[1] for p in pts], marker=marker,
+                    label=LABELS[key], linestyle="--" if key == "floor" else "-")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks([s["state_bytes_per_rank"] / 2**20 for s in sizes])
+    ax.set_xticklabels([f"{s['state_bytes_per_rank'] / 2**20:.0f}" for s in sizes])
+    ax.minorticks_off()
+    ax.set_xlabel("state per rank (MiB: params + AdamW moments)")
+    ax.set_ylabel("training blocked per snapshot (ms, slowest rank)")
+    m = doc["machine"]
+    ax.set_title(f"Snapshot blocking time, {doc['args']['world']} ranks, {m['device']}, "
+                 f"{m['cpu_count']} cores", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    pyplot.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = _parse(argv)
-    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # inherited by the spawned ranks
+    doc = new_doc(NAME, __file__, argv, args)
     root = tempfile.mkdtemp(prefix=f"aegis-bench-{uuid.uuid4().hex[:6]}-", dir=args.work_dir)
-    dcp_root = str(Path(root) / "dcp")
-    os.makedirs(dcp_root, exist_ok=True)
-    load_before = os.getloadavg()
-    t0 = time.time()
+    doc["work_dir_is_tmpfs"] = root.startswith("/dev/shm")
+    print(f"{NAME}: {args.world} ranks, {', '.join(f'{s:g}' for s in args.sizes)} MiB per rank, "
+          f"{args.repeats} repeats after {args.warmup} warm-up, device {args.device}", flush=True)
+    env = {"BENCH_DEVICE": args.device}
     try:
-        ranks = _launch(args, root, dcp_root)
+        ranks = run_ranks(args.world, _rank_main, args, root, timeout=args.timeout, env=env)
     finally:
-        if not args.keep_files:
-            shutil.rmtree(root, ignore_errors=True)
-    elapsed = time.time() - t0
-    summary = _summarize(ranks)
-    checks = _targets(summary)
-    r0 = ranks[0]
-    print(f"aegis snapshot overhead: {args.world} ranks x {r0['state_bytes'] / 2**20:.1f} MiB of "
-          f"local state ({r0['n_tensors']} tensors; {r0['n_layers']} x Linear({args.dim}, "
-          f"{args.dim}), {r0['params_local'] / 1e6:.2f} M params/rank + AdamW), "
-          f"{args.repeats} repeats after {args.warmup} warm-up, {args.threads} thread(s)/rank, "
-          f"{os.cpu_count()} cores")
-    print(f"files under {root} ({'tmpfs' if root.startswith('/dev/shm') else 'not tmpfs'}); "
-          "per repetition the slowest rank; GB/s = rank state bytes / median")
-    print(_table(summary))
-    for c in checks:
-        ratio = f"{c['ratio']:.2f}x" if c["ratio"] is not None else "n/a"
-        print(f"target: {c['check']:<48} {c['result']}  ({ratio})")
-    for r in ranks:
-        if "restore_check" in r:
-            rc = r["restore_check"]
-            ok = (rc["step_restored"] == rc["step_saved"] and rc["manifest_exists"]
-                  and rc["param_equal"] and rc["exp_avg_equal"])
-            print(f"restore check rank {r['rank']}: {'OK' if ok else 'FAILED'} {rc}")
-    first = [r["aegis_results"][0] for r in ranks if r.get("aegis_results")]
-    if first and args.warmup:
-        print("aegis first save (plans, pre-faults keep + 1 = 2 slots; warm-up, not in table): "
-              f"blocking {max(f['blocking_s'] for f in first) * 1e3:.0f} ms, of which plan "
-              f"{max(f['plan_s'] for f in first) * 1e3:.0f} ms (slowest rank)")
-    print(f"total {elapsed:.0f} s; 1-minute load average {load_before[0]:.2f} before, "
-          f"{os.getloadavg()[0]:.2f} after (other work on the machine distorts timings)")
-    doc = {
-        "bench": "snapshot_overhead",
-        "command": shlex.join([sys.executable, *sys.argv]),
-        "argv": sys.argv[1:] if argv is None else list(argv),
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "work_dir": root,
-        "work_dir_is_tmpfs": root.startswith("/dev/shm"),
-        "machine": _machine(),
-        # Other work on the machine distorts these numbers: 1-minute load before and after.
-        "loadavg_1m": {"before": load_before[0], "after": os.getloadavg()[0]},
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "elapsed_s": elapsed,
-        "summary": summary,
-        "targets": checks,
-        "ranks": ranks,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_name(args.out.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
-    os.replace(tmp, args.out)
-    print(f"wrote {args.out}")
-    restore_ok = all(
-        r["restore_check"]["param_equal"] and r["restore_check"]["exp_avg_equal"]
-        for r in ranks if "restore_check" in r)
-    return 0 if restore_ok else 1
+        shutil.rmtree(root, ignore_errors=True)
+    doc["sizes"] = summarize(ranks)
+    doc["ranks"] = ranks
+    print(report(doc))
+    bad = [c for s in doc["sizes"] for c in s["restore_check"]
+           if c and not (c["param_equal"] and c["step_restored"] == c["step_saved"])]
+    if bad:
+        doc["errors"]["restore_check"] = f"aegis snapshot did not restore bit for bit: {bad}"
+        print(f"ERROR: {doc['errors']['restore_check']}")
+    write_doc(doc, args.out)
+    plot(doc, args.out.with_suffix(".png"))
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     sys.exit(main())

@@ -14,6 +14,8 @@ Commands::
     aegis diff URI_A URI_B [--step A [--step B]]
     aegis export URI OUT --format dcp|torch|safetensors [--step N]
     aegis prune URI --keep-last N [--keep-every K] [--dry-run]
+    aegis plan --nodes N (--mtbf-node-hours H | --failures-per-day F) [costs]
+                                                 snapshot intervals, goodput, cost of failures
 
 Exit codes: 0 success; 1 verification failed, bytes are corrupt, or (``diff``) the snapshots
 differ; 2 bad input (URI, step, option, unreadable manifest); 3 internal error (a bug: run with
@@ -48,6 +50,7 @@ Fields are only ever added within a schema version. Sizes are bytes, times are U
   bytes, seconds``.
 * ``aegis.prune/1``: ``uri, tier, job, dry_run, keep_last, keep_every, committed, removed,
   kept`` (lists of steps, ascending).
+* ``aegis.plan/1``: see :mod:`aegis.cli.plan`.
 """
 
 from __future__ import annotations
@@ -665,6 +668,12 @@ def prune_cmd(uri: str, keep_last: int, keep_every: int, dry_run: bool, job: str
     console.print(f"{'would remove' if dry_run else 'removed'} {len(removed)} of {len(committed)} committed "
                   f"step(s) in {src.uri}")
     return EXIT_OK
+
+
+# `aegis plan` (aegis/cli/plan.py): how often to snapshot and what failures cost.
+from aegis.cli.plan import plan as _plan  # noqa: E402 - the group above must exist first
+
+cli.add_command(_plan)
 
 
 # -- entry point ---------------------------------------------------------------------------------

@@ -19,7 +19,13 @@ class ManagerConfig:
     """Everything a :class:`~aegis.Manager` needs besides the state.
 
     job: names the run; snapshots live under ``<store_dir>/<job>/``.
-    every: snapshot every ``every`` steps (``save(step)`` is a no-op otherwise).
+    every: snapshot every ``every`` steps (``save(step)`` is a no-op otherwise), or ``"auto"``:
+        Daly's optimum interval for the measured blocking time per snapshot and ``mtbf_s``, in
+        measured steps, within ``[1, every_max]``, adapted as the measurements change (each
+        change is an ``interval`` event; see :class:`aegis.goodput.AutoInterval`).
+    mtbf_s: with ``every="auto"``: mean seconds between interruptions of the whole job (a node's
+        MTBF divided by the number of nodes).
+    every_max: with ``every="auto"``: the longest interval, in steps.
     keep: committed snapshots kept in memory per node (plus one in flight).
     replicas: copies of each shard pushed to other nodes (ring placement, other failure domains
         first); 1 survives any single node loss. Capped at (nodes - 1).
@@ -44,7 +50,9 @@ class ManagerConfig:
     """
 
     job: str
-    every: int = 1
+    every: int | str = 1
+    mtbf_s: float | None = None
+    every_max: int = 1000
     keep: int = 1
     replicas: int = 1
     store_dir: str | os.PathLike[str] | None = None
@@ -64,8 +72,22 @@ class ManagerConfig:
 
     def __post_init__(self) -> None:
         check_job_name(self.job)
-        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
-            raise ConfigError(f"every={self.every!r}: must be an integer >= 1 (snapshot every N steps)")
+        if self.every == "auto":
+            m = self.mtbf_s
+            if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 < m < float("inf"):
+                raise ConfigError(
+                    f"every='auto' needs mtbf_s=<mean seconds between interruptions of the whole job> "
+                    f"> 0 (a node's MTBF / the number of nodes), got mtbf_s={m!r}"
+                )
+        elif isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
+            raise ConfigError(
+                f"every={self.every!r}: must be an integer >= 1 (snapshot every N steps) or 'auto'"
+            )
+        elif self.mtbf_s is not None:
+            raise ConfigError(f"mtbf_s={self.mtbf_s!r}: only used with every='auto'; drop it or "
+                              "pass every='auto'")
+        if isinstance(self.every_max, bool) or not isinstance(self.every_max, int) or self.every_max < 1:
+            raise ConfigError(f"every_max={self.every_max!r}: must be an integer >= 1 (steps)")
         if isinstance(self.keep, bool) or not isinstance(self.keep, int) or self.keep < 1:
             raise ConfigError(
                 f"keep={self.keep!r}: must be an integer >= 1 (the newest committed snapshot is "

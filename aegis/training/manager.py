@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from aegis._dist import Group, new_snapshot_group, node_id
 from aegis.errors import AegisError
+from aegis.goodput import AutoInterval, daly_interval
 from aegis.snapshot.codec import Codec
 from aegis.snapshot.durable import Uploader, UploadResult, clean_uncommitted
 from aegis.snapshot.engine import SnapshotEngine, SnapshotHandle, SnapshotResult, format_bytes
@@ -57,7 +58,7 @@ class Manager:
         job: str,
         state: Mapping[str, Any],
         *,
-        every: int = 1,
+        every: int | str = 1,
         keep: int = 1,
         replicas: int = 1,
         store_dir: str | None = None,
@@ -66,6 +67,8 @@ class Manager:
         events_dir: str | None = None,
         rng: bool = True,
         verbose: bool = True,
+        mtbf_s: float | None = None,
+        every_max: int = 1000,
         **durable: Any,
     ) -> None:
         unknown = [k for k in durable if not k.startswith("durable")]
@@ -74,8 +77,16 @@ class Manager:
         extra: dict[str, Any] = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
         self.config = ManagerConfig(
             job=job, every=every, keep=keep, replicas=replicas, store_dir=store_dir, timeout=timeout,
-            events_dir=events_dir, rng=rng, verbose=verbose, **extra, **durable,
+            events_dir=events_dir, rng=rng, verbose=verbose, mtbf_s=mtbf_s, every_max=every_max,
+            **extra, **durable,
         )
+        # every="auto": the interval policy (pure) and what feeds it (see _auto_save).
+        self._auto = (AutoInterval(float(self.config.mtbf_s or 0.0), self.config.every_max)
+                      if self.config.every == "auto" else None)
+        self._last_result: SnapshotResult | None = None
+        self._last_snap_step = 0
+        self._auto_ref: tuple[float, int] | None = None  # (time, step) the step clock runs from
+        self._durable_mark = 0  # auto: the step of the last durable upload decided
         check_state(state)
         self.state = dict(state)
         self.node = node_id()
@@ -185,6 +196,7 @@ class Manager:
             self.engine.adopt_committed([])
             self.events.emit("restore", step=0, found=False, seconds=time.time() - t0)
             self.events.say("no snapshot to restore: starting from scratch")
+            self._restored(0)
             return 0
         self.engine.adopt_committed(
             [s.step for s in self.store.steps() if s.committed and s.step <= result.step]
@@ -213,10 +225,17 @@ class Manager:
             + (f", fetched {format_bytes(result.bytes_fetched)} from peers" if result.bytes_fetched else "")
             + (f"; skipped: {'; '.join(result.skipped)}" if result.skipped else "")
         )
+        self._restored(result.step)
         return result.step
 
+    def _restored(self, step: int) -> None:
+        self._last_snap_step = self._durable_mark = step
+        self._auto_ref = (time.perf_counter(), step)
+        self._last_result = None
+
     def save(self, step: int) -> SnapshotHandle | None:
-        """Snapshot the state as ``step`` if ``step % every == 0``. Collective.
+        """Snapshot the state as ``step`` if ``step % every == 0`` (``every="auto"``: if at
+        least the current interval has passed since the last snapshot or restore). Collective.
 
         Blocks while this rank's shard is copied into host memory; checksums, replication and
         the commit run in the background. Raises the error of the previous snapshot if it failed
@@ -226,9 +245,58 @@ class Manager:
         self._check_open()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise AegisError(f"save(step={step!r}): step must be a non-negative integer")
+        if self._auto is not None:
+            return self._auto_save(step)
+        assert isinstance(self.config.every, int)
         if step % self.config.every:
             return None
         return self.engine.save(step, self._state_dict)
+
+    def _auto_save(self, step: int) -> SnapshotHandle | None:
+        """``every="auto"``. Every rank must take the same decision, so the interval changes
+        only on numbers all ranks agree on: at each snapshot, after the previous one's
+        background work is done (the engine calls the state-dict callable then, with the
+        snapshot group idle), one all-reduce takes the slowest rank's blocking time of the
+        previous snapshot (its one-off planning left out) and step time since it."""
+        assert self._auto is not None
+        if step - self._last_snap_step < self._auto.interval:
+            return None
+        step_s = None
+        if self._auto_ref is not None and step > self._auto_ref[1]:
+            step_s = (time.perf_counter() - self._auto_ref[0]) / (step - self._auto_ref[1])
+
+        def state_dict() -> dict[str, Any]:
+            self._auto_update(step, step_s)
+            return self._state_dict()
+
+        handle = self.engine.save(step, state_dict)
+        self._last_snap_step = step
+        self._auto_ref = (time.perf_counter(), step)
+        return handle
+
+    def _auto_update(self, step: int, step_s: float | None) -> None:
+        assert self._auto is not None
+        r, snap_s = self._last_result, None
+        if r is not None and r.committed:
+            snap_s = max(0.0, r.blocking_s - r.plan_s)
+        snap_us, step_us = self.group.all_reduce_max(
+            [-1 if snap_s is None else round(snap_s * 1e6), -1 if step_s is None else round(step_s * 1e6)],
+            "auto interval",
+        )
+        previous = self._auto.interval
+        new = self._auto.update(snap_us / 1e6 if snap_us >= 0 else None,
+                                step_us / 1e6 if step_us >= 0 else None)
+        if new is None:
+            return
+        c, t = self._auto.snapshot_s or 0.0, self._auto.step_s or 0.0
+        daly = daly_interval(c, self._auto.mtbf_s)
+        self.events.emit("interval", step=step, every=new, previous=previous, snapshot_s=c,
+                         step_s=t, mtbf_s=self._auto.mtbf_s, daly_s=daly,
+                         bounded=new in (1, self._auto.every_max))
+        self.events.say(
+            f"step {step}: snapshot interval {previous} -> {new} steps (blocking {c * 1e3:.1f} ms, "
+            f"step {t * 1e3:.0f} ms, MTBF {self._auto.mtbf_s:.0f} s: Daly {daly:.1f} s)"
+        )
 
     def wait(self) -> SnapshotResult | None:
         """Wait until the in-flight snapshot is committed; re-raise its error. Collective."""
@@ -290,7 +358,11 @@ class Manager:
     def _upload_due(self, step: int) -> bool:
         """Rank 0, at each commit: upload this step? Broadcast with the commit decision."""
         assert self.uploader is not None
-        due = step % self.config.durable_every == 0 or (
+        if self._auto is None:
+            crossed = step % self.config.durable_every == 0
+        else:  # auto steps need not hit multiples of durable_every: upload on crossing one
+            crossed = step // self.config.durable_every > self._durable_mark // self.config.durable_every
+        due = crossed or (
             self.config.durable_every_s is not None
             and time.monotonic() - self._last_upload_t >= self.config.durable_every_s
         )
@@ -311,6 +383,7 @@ class Manager:
             self.events.say(f"step {step}: durable tier catching up after skipped uploads")
         self._upload_owed = False
         self._last_upload_t = time.monotonic()
+        self._durable_mark = step
         return True
 
     def _submit_upload(self, manifest: Manifest) -> None:
@@ -345,6 +418,7 @@ class Manager:
     # -- events --------------------------------------------------------------------------------
 
     def _on_snapshot(self, r: SnapshotResult) -> None:
+        self._last_result = r
         self.events.emit(
             "snapshot",
             step=r.step,

@@ -1,0 +1,244 @@
+"""``aegis plan``: how often to snapshot, and what failures cost (see :mod:`aegis.goodput`).
+
+Registered by the ``aegis`` group (``cli.add_command(plan)``). JSON schema ``aegis.plan/1``:
+``cluster: {nodes, gpus_per_node, total_gpus, gpu_hour_cost}, failures: {mtbf_s, per_day,
+memory_coverage}, costs: {memory: {snapshot_s, restore_s, restart_s, latency_s}, durable: {...},
+step_s}, intervals: {memory: {young_s, daly_s, multi_level_s}, durable: {young_s, daly_s,
+multi_level_s}}, strategies: [{name, memory_interval_s, durable_interval_s, durable_every_n,
+checkpoint, recompute, restart, goodput, lost, gpu_hours_lost_per_day, cost_lost_per_day}],
+measured: {sources, counts}, notes: [str]`` (fractions of wall-clock time; seconds; ``null``
+where undefined, e.g. no price given, or no failure needs the durable tier).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.table import Table
+
+from aegis.cli._common import EXIT_OK, CliError, json_number, show, stdout_console
+from aegis.goodput import (
+    DAY_S,
+    Measured,
+    Plan,
+    TierCosts,
+    measured_from_bench,
+    measured_from_events,
+)
+from aegis.goodput import plan as make_plan
+
+__all__ = ["plan"]
+
+
+def _dur(s: float | None) -> str:
+    if s is None or not math.isfinite(s):
+        return "-"
+    if s < 1:
+        return f"{s * 1e3:.0f} ms" if s < 0.1 else f"{s:.2f} s"
+    if s < 60:
+        return f"{s:.1f} s"
+    if s < 3600:
+        return f"{int(s // 60)}m {int(s % 60):02d}s"
+    if s < 86400:
+        return f"{int(s // 3600)}h {int(s % 3600 // 60):02d}m"
+    return f"{int(s // 86400)}d {int(s % 86400 // 3600):02d}h"
+
+
+def _steps(s: float | None, step_s: float | None) -> str:
+    if s is None or not step_s:
+        return _dur(s)
+    return f"{_dur(s)} ({max(1, round(s / step_s))} steps)"
+
+
+def _pct(x: float) -> str:
+    return f"{x * 100:.2f}%"
+
+
+def _clean(x: Any) -> Any:
+    if isinstance(x, float):
+        return json_number(x)
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_clean(v) for v in x]
+    return x
+
+
+def _pick(name: str, explicit: float | None, measured: float | None, fallback: float | None,
+          used: dict[str, str], why: str = "") -> float:
+    if explicit is not None:
+        used[name] = "given"
+        return explicit
+    if measured is not None:
+        used[name] = "measured"
+        return measured
+    if fallback is None:
+        raise CliError(f"no {name.replace('_', ' ')}: pass --{name.replace('_', '-')} or "
+                       "--events/--bench with a measurement of it")
+    used[name] = why or "default"
+    return fallback
+
+
+@click.command("plan")
+@click.option("--nodes", type=click.IntRange(min=1), required=True, help="Nodes in the job.")
+@click.option("--gpus-per-node", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--gpu-hour-cost", type=click.FloatRange(min=0), default=None,
+              help="Price of one GPU-hour (money columns only when given).")
+@click.option("--mtbf-node-hours", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Mean time between failures of one node, hours (job MTBF = this / nodes).")
+@click.option("--failures-per-day", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Interruptions of the whole job per day (instead of --mtbf-node-hours).")
+@click.option("--memory-coverage", type=click.FloatRange(0, 1), default=0.9, show_default=True,
+              help="Share of interruptions the memory tier recovers (replicas survive: single "
+                   "node faults, process crashes); the rest needs the durable tier. The default is "
+                   "an assumption: Llama 3's table of 419 interruptions has 10% that may take "
+                   "more than one node or need an older state (network, corruption, dependency).")
+@click.option("--snapshot-s", type=click.FloatRange(min=0), default=None,
+              help="Blocking seconds of a memory snapshot (default: measured).")
+@click.option("--durable-snapshot-s", type=click.FloatRange(min=0), default=None,
+              help="Blocking seconds of a durable snapshot (default: measured, else --snapshot-s: "
+                   "aegis uploads from the memory snapshot in the background).")
+@click.option("--restore-s", type=click.FloatRange(min=0), default=None,
+              help="Seconds to restore from memory (default: measured, else 0).")
+@click.option("--durable-restore-s", type=click.FloatRange(min=0), default=None,
+              help="Seconds to restore from the durable tier (default: measured, else the memory one).")
+@click.option("--restart-s", type=click.FloatRange(min=0), default=None,
+              help="Failure -> new workers up: detection, rendezvous, process start (default: measured).")
+@click.option("--memory-latency-s", type=click.FloatRange(min=0), default=None,
+              help="Snapshot -> committed in memory (background; default: measured, else 0).")
+@click.option("--durable-latency-s", type=click.FloatRange(min=0), default=None,
+              help="Snapshot -> committed on the durable tier (upload; default: measured, else 0).")
+@click.option("--step-s", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Seconds per training step, to show intervals in steps (default: measured).")
+@click.option("--events", "events_dirs", type=click.Path(path_type=Path, exists=True), multiple=True,
+              help="A run's events directory (rank-NNNNN.jsonl files, searched recursively).")
+@click.option("--bench", "bench_files", type=click.Path(path_type=Path, exists=True, dir_okay=False),
+              multiple=True, help="A bench/results/*.json file (recovery, snapshot_overhead, durable, goodput).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
+def plan(nodes: int, gpus_per_node: int, gpu_hour_cost: float | None, mtbf_node_hours: float | None,
+         failures_per_day: float | None, memory_coverage: float, snapshot_s: float | None,
+         durable_snapshot_s: float | None, restore_s: float | None, durable_restore_s: float | None,
+         restart_s: float | None, memory_latency_s: float | None, durable_latency_s: float | None,
+         step_s: float | None, events_dirs: tuple[Path, ...], bench_files: tuple[Path, ...],
+         as_json: bool) -> int:
+    """Optimal snapshot intervals (Young, Daly, two-level) and the expected cost of failures:
+    durable-only checkpointing against memory + durable. Costs default to the ones measured in
+    a run's events (--events) or a benchmark result (--bench); explicit options override."""
+    if (mtbf_node_hours is None) == (failures_per_day is None):
+        raise CliError("give the failure rate: --mtbf-node-hours H or --failures-per-day N (one of them)")
+    mtbf_s = (mtbf_node_hours * 3600.0 / nodes if mtbf_node_hours is not None
+              else DAY_S / (failures_per_day or 1.0))
+    measured = Measured()
+    try:
+        for d in events_dirs:
+            measured = measured.merge(measured_from_events(d))
+        for f in bench_files:
+            measured = measured.merge(measured_from_bench(f))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CliError(f"reading measurements: {type(e).__name__}: {e}") from e
+    used: dict[str, str] = {}
+    mem_snap = _pick("snapshot_s", snapshot_s, measured.memory_snapshot_s, None, used)
+    dur_snap = _pick("durable_snapshot_s", durable_snapshot_s, measured.durable_snapshot_s, mem_snap,
+                     used, "same as memory")
+    restart = _pick("restart_s", restart_s, measured.restart_s, None, used)
+    mem_restore = _pick("restore_s", restore_s, measured.memory_restore_s, 0.0, used, "default 0")
+    dur_restore = _pick("durable_restore_s", durable_restore_s, measured.durable_restore_s, mem_restore,
+                        used, "same as memory")
+    mem_lat = _pick("memory_latency_s", memory_latency_s, measured.memory_latency_s, 0.0, used,
+                    "default 0")
+    dur_lat = _pick("durable_latency_s", durable_latency_s, measured.durable_latency_s, 0.0, used,
+                    "default 0")
+    step = step_s if step_s is not None else measured.step_s
+    try:
+        p = make_plan(
+            nodes=nodes, gpus_per_node=gpus_per_node, mtbf_s=mtbf_s, memory_coverage=memory_coverage,
+            memory=TierCosts(snapshot_s=mem_snap, restore_s=mem_restore, restart_s=restart,
+                             latency_s=mem_lat),
+            durable=TierCosts(snapshot_s=dur_snap, restore_s=dur_restore, restart_s=restart,
+                              latency_s=dur_lat),
+            gpu_hour_cost=gpu_hour_cost, step_s=step,
+        )
+    except ValueError as e:
+        raise CliError(str(e)) from e
+    if as_json:
+        doc = {"schema": "aegis.plan/1", **p.to_json(),
+               "measured": {"sources": measured.sources, "counts": measured.counts, "used": used}}
+        click.echo(json.dumps(_clean(doc), indent=2, allow_nan=False))
+        return EXIT_OK
+    _print(p, measured, used)
+    return EXIT_OK
+
+
+def _print(p: Plan, measured: Measured, used: dict[str, str]) -> None:
+    console = stdout_console()
+    per_day = DAY_S / p.mtbf_s
+    price = f", {p.gpu_hour_cost:g} per GPU-hour" if p.gpu_hour_cost is not None else ""
+    console.print(f"cluster   {p.nodes} nodes x {p.gpus_per_node} GPUs = {p.total_gpus:,} GPUs{price}")
+    console.print(f"failures  {per_day:.3g}/day (job MTBF {_dur(p.mtbf_s)}); "
+                  f"{p.memory_coverage:.0%} recoverable from memory")
+    for name, c in (("memory", p.memory), ("durable", p.durable)):
+        console.print(f"{'costs' if name == 'memory' else '':<10}{name + ':':<9}snapshot {_dur(c.snapshot_s)}, "
+                      f"restore {_dur(c.restore_s)}, restart {_dur(c.restart_s)}, commit latency "
+                      f"{_dur(c.latency_s)}")
+    by: dict[str, list[str]] = {}
+    for k, v in used.items():
+        by.setdefault(v, []).append(k.removesuffix("_s").replace("_", " "))
+    for v, keys in by.items():
+        console.print(f"{'':<10}{v}: {', '.join(keys)}")
+    for src in measured.sources:
+        console.print(f"{'':<10}measured in {src}")
+    if p.step_s:
+        console.print(f"{'':<10}step {_dur(p.step_s)}")
+    console.print("")
+
+    t = Table(box=None, header_style="bold", pad_edge=False, title_justify="left",
+              title="optimal interval (work between snapshots)")
+    for col in ("tier", "recovers", "snapshot", "Young", "Daly", "multi-level"):
+        t.add_column(col, justify="left" if col == "tier" else "right", no_wrap=True)
+    lam = per_day
+    if "memory" in p.intervals:
+        iv = p.intervals["memory"]
+        t.add_row("memory", f"{lam * p.memory_coverage:.3g}/day", _dur(p.memory.snapshot_s),
+                  _steps(iv["young_s"], p.step_s), _steps(iv["daly_s"], p.step_s),
+                  _steps(iv.get("multi_level_s"), p.step_s))
+    iv = p.intervals["durable"]
+    t.add_row("durable", f"{lam:.3g}/day", _dur(p.durable.snapshot_s), _steps(iv["young_s"], p.step_s),
+              _steps(iv["daly_s"], p.step_s), _steps(iv.get("multi_level_s"), p.step_s))
+    show(console, t)
+    console.print(f"(Young and Daly: each tier alone; multi-level: memory recovers "
+                  f"{p.memory_coverage:.0%}, durable the rest, {lam * (1 - p.memory_coverage):.3g}/day)")
+    console.print("")
+
+    t = Table(box=None, header_style="bold", pad_edge=False, title_justify="left",
+              title="expected losses at those intervals (share of wall-clock time; lost GPU-hours "
+                    "and cost per day)")
+    cols = ["strategy", "memory", "durable", "checkpoint", "recompute", "restart", "goodput",
+            "GPU-h/day"]
+    if p.gpu_hour_cost is not None:
+        cols.append("cost/day")
+    for col in cols:
+        t.add_column(col, justify="left" if col == "strategy" else "right", no_wrap=True)
+    for s in p.strategies:
+        durable = ("-" if s.durable_interval_s is None else _dur(s.durable_interval_s)
+                   + (f" (x{s.durable_every_n})" if s.memory_interval_s is not None else ""))
+        row = [s.name, _dur(s.memory_interval_s) if s.memory_interval_s else "-", durable,
+               _pct(s.waste.checkpoint), _pct(s.waste.recompute), _pct(s.waste.restart),
+               _pct(s.waste.goodput), f"{s.gpu_hours_lost_per_day:,.1f}"]
+        if p.gpu_hour_cost is not None:
+            row.append(f"{s.cost_lost_per_day or 0.0:,.0f}")
+        t.add_row(*row)
+    show(console, t)
+    if len(p.strategies) == 2:
+        a, b = p.strategies
+        saved = a.gpu_hours_lost_per_day - b.gpu_hours_lost_per_day
+        money = (f" ({saved * p.gpu_hour_cost:,.0f}/day)" if p.gpu_hour_cost is not None else "")
+        console.print(f"\n{b.name} over {a.name}: goodput {_pct(b.waste.goodput - a.waste.goodput)} "
+                      f"points, {saved:,.1f} GPU-hours/day{money}")
+    for note in p.notes:
+        console.print(f"note: {note}")
+    console.print("restart = restart + restore; recompute = work since the last commit; "
+                  "first-order model, see aegis.goodput")

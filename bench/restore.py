@@ -1,0 +1,326 @@
+#!/usr/bin/env python
+"""Case 3: restore time by source, aegis and DCP side by side on the same state.
+
+``--world`` spawned ranks (gloo), each a simulated node (``AEGIS_NODE_ID=node-<rank>``, its own
+node store on tmpfs), train the reference trainer's TinyGPT (``examples/train_fsdp.py``; fp32
+params + AdamW moments = ``--state-mb`` x ``--size`` MB over all ranks) for a few steps with
+FSDP2, then save that one state everywhere:
+
+* aegis ``Manager(replicas=1, durable=s3://...)``: node stores + replicas + a moto S3 server on
+  loopback, and a second job with ``durable=file://<dir>``;
+* ``dcp.save`` into a directory (the same disk as the ``file://`` tier) and through
+  fsspec/s3fs (``FsspecWriter``) into the same S3 server.
+
+Then each source is restored ``--repeats`` times into the live model (perturbed first, so a
+no-op cannot pass) and checked bit for bit against the saved state (crc32 of every local
+tensor):
+
+============  ==================================================================================
+own memory    ``Manager.restore()``, every shard in its own node store
+peer memory   node-1's store emptied (a replacement node): node-1 fetches from node-0's replica
+durable S3    every node store emptied: ``Manager.restore()`` from the S3 server
+durable dir   every node store emptied: ``Manager.restore()`` from ``file://``
+dcp dir       ``get_state_dict`` + ``dcp.load`` from the directory + ``set_state_dict``
+dcp s3fs      the same through ``FsspecReader`` from the S3 server
+============  ==================================================================================
+
+Timed per rank from a barrier to the end of the restore; the slowest rank counts, median over
+repetitions. ``Manager`` construction (gloo groups, the durable store check) is outside the
+timing and reported apart. Files were just written, so directories are read from the page cache,
+like tmpfs; MB = 1e6 bytes, MB/s of raw (uncompressed) state bytes.
+
+    .venv/bin/python bench/restore.py
+    .venv/bin/python bench/restore.py --size 4 --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from _common import (  # noqa: E402 - bench/ is on sys.path as a script
+    MB,
+    RESULTS,
+    MotoServer,
+    build_gpt,
+    digest,
+    f,
+    gpt_shape,
+    gpt_train_step,
+    have_s3fs,
+    md_table,
+    new_doc,
+    plt,
+    run_ranks,
+    sharded_state,
+    size_arg,
+    text_table,
+    trainer_module,
+    write_doc,
+)
+
+NAME = "restore"
+SOURCES = ("own memory", "peer memory", "durable S3", "durable dir", "dcp dir", "dcp s3fs")
+EXPECTED_TIER = {"own memory": "local", "peer memory": "peer", "durable S3": "durable",
+                 "durable dir": "durable"}
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--world", type=int, default=2, help="ranks = simulated nodes; default 2")
+    p.add_argument("--state-mb", type=float, default=96.0,
+                   help="MB of params + AdamW moments over all ranks; default 96")
+    size_arg(p)
+    p.add_argument("--train-steps", type=int, default=3, help="steps before the save")
+    p.add_argument("--batch-size", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3, help="restores per source")
+    p.add_argument("--work-dir", default=None,
+                   help="parent of the file:// tier and the DCP directory (default: /tmp)")
+    p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--out", type=Path, default=RESULTS / f"{NAME}.json")
+    return p.parse_args(argv)
+
+
+def _hide(d: Path) -> None:
+    if d.exists():
+        d.rename(d.with_name(d.name + ".hidden"))
+
+
+def _unhide(d: Path) -> None:
+    shutil.rmtree(d, ignore_errors=True)
+    h = d.with_name(d.name + ".hidden")
+    if h.exists():
+        h.rename(d)
+
+
+def _rank_main(rank: int, world: int, args: argparse.Namespace, shape: dict[str, int],
+               paths: dict[str, str], s3kw: dict[str, Any] | None) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from aegis import Manager, ModelOptimizerState
+
+    store = Path(paths["stores"]) / f"node-{rank}"
+    events = str(Path(paths["events"]) / f"node-{rank}")
+    model, opt, _ = build_gpt(shape, mesh=init_device_mesh("cpu", (world,)))
+    data = trainer_module().SyntheticTokens(shape["vocab_size"], shape["seq_len"], seed=0)
+    for step in range(1, args.train_steps + 1):
+        gpt_train_step(model, opt, data, step, args.batch_size, rank, world)
+    saved, nbytes = digest(sharded_state(model, opt))
+    out: dict[str, Any] = {"rank": rank, "tensor_bytes": nbytes, "save": {}, "restore": {}}
+
+    def manager(job: str, durable: str | None) -> Any:
+        kw: dict[str, Any] = {"durable": durable, "durable_every": 1} if durable else {}
+        return Manager(job, {"model": ModelOptimizerState(model, opt)}, every=1, keep=1,
+                       replicas=1, store_dir=str(store), events_dir=events, verbose=False, **kw)
+
+    # -- save the same state to every source ---------------------------------------------------
+    for job, url in (("s3", paths["s3"]), ("file", paths["file"])):
+        mgr = manager(job, url)
+        dist.barrier()
+        t0 = time.perf_counter()
+        mgr.save(args.train_steps)
+        mgr.wait()
+        t1 = time.perf_counter()
+        mgr.wait_durable()
+        out["save"][f"aegis {job}"] = {"commit_s": t1 - t0, "durable_s": time.perf_counter() - t0}
+        mgr.close()
+    dcp_targets: dict[str, Any] = {"dcp dir": None}
+    if s3kw is not None:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+        dcp_targets["dcp s3fs"] = (FsspecWriter, FsspecReader)
+    for name, io in dcp_targets.items():
+        sd = sharded_state(model, opt)
+        dist.barrier()
+        t0 = time.perf_counter()
+        if io is None:
+            dcp.save(sd, checkpoint_id=paths["dcp_dir"])
+        else:
+            dcp.save(sd, storage_writer=io[0](paths["dcp_s3"], **s3kw))
+        dist.barrier()
+        out["save"][name] = {"seconds": time.perf_counter() - t0}
+
+    # -- restore from each source ---------------------------------------------------------------
+    def perturb() -> None:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(0.5)
+                for v in opt.state[p].values():
+                    if isinstance(v, torch.Tensor) and v.dim():
+                        v.mul_(0.5)
+
+    def restore(source: str) -> dict[str, Any]:
+        rec: dict[str, Any] = {}
+        job = "file" if source == "durable dir" else "s3"
+        hide = {"peer memory": [1], "durable S3": list(range(world)),
+                "durable dir": list(range(world))}.get(source, [])
+        if source.startswith("dcp"):
+            dist.barrier()
+            t0 = time.perf_counter()
+            sd = sharded_state(model, opt)
+            if source == "dcp dir":
+                dcp.load(sd, checkpoint_id=paths["dcp_dir"])
+            else:
+                dcp.load(sd, storage_reader=dcp_targets[source][1](paths["dcp_s3"], **s3kw))
+            set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+            rec["seconds"] = time.perf_counter() - t0
+        else:
+            if rank in hide:
+                _hide(store / job)
+            t0 = time.perf_counter()
+            url = paths[job] if source.startswith("durable") else None
+            mgr = manager(job, url)
+            rec["manager_init_s"] = time.perf_counter() - t0
+            dist.barrier()
+            t0 = time.perf_counter()
+            step = mgr.restore()
+            rec["seconds"] = time.perf_counter() - t0
+            r = mgr.last_restore
+            rec["step"] = step
+            rec["tiers"] = sorted({s["tier"] for s in r.sources}) if r else []
+            rec["bytes_read"] = r.bytes_read if r else 0
+            rec["bytes_fetched"] = r.bytes_fetched if r else 0
+            rec["timings"] = dict(r.timings) if r else {}
+            mgr.close()
+            dist.barrier()
+            if rank in hide:
+                _unhide(store / job)
+        rec["bitwise_equal"] = digest(sharded_state(model, opt))[0] == saved
+        return rec
+
+    for source in SOURCES:
+        if source == "dcp s3fs" and s3kw is None:
+            continue
+        for _ in range(args.repeats):
+            perturb()
+            dist.barrier()
+            out["restore"].setdefault(source, []).append(restore(source))
+    return out
+
+
+def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    state = sum(r["tensor_bytes"] for r in ranks)
+    rows: dict[str, Any] = {}
+    for source in SOURCES:
+        if source not in ranks[0]["restore"]:
+            continue
+        reps = list(zip(*(r["restore"][source] for r in ranks), strict=True))
+        per_rep = [max(x["seconds"] for x in rep) for rep in reps]
+        med = statistics.median(per_rep)
+        tiers = sorted({t for rep in reps for x in rep for t in x.get("tiers", [])})
+        rows[source] = {
+            "median_s": med, "min_s": min(per_rep), "per_rep_s": per_rep,
+            "mbps": state / MB / med,
+            "bitwise_equal": all(x["bitwise_equal"] for rep in reps for x in rep),
+            "tiers": tiers,
+            "tier_ok": EXPECTED_TIER.get(source, "") in tiers if source in EXPECTED_TIER else True,
+            "manager_init_s": max((x.get("manager_init_s", 0.0) for rep in reps for x in rep),
+                                  default=None) if source in EXPECTED_TIER else None,
+            "bytes_fetched_from_peers": max((x.get("bytes_fetched", 0) for rep in reps
+                                             for x in rep), default=0),
+        }
+    save = {k: max(r["save"][k].get("durable_s", r["save"][k].get("seconds", 0.0))
+                   for r in ranks) for k in ranks[0]["save"]}
+    return {"state_bytes": state, "sources": rows, "save_s": save}
+
+
+def report(doc: dict[str, Any]) -> str:
+    s = doc["summary"]
+    rows = [[k, f(v["median_s"], ".3f"), f(v["min_s"], ".3f"), f(v["mbps"], ".0f"),
+             "+".join(v["tiers"]) or "-", "yes" if v["bitwise_equal"] else "NO",
+             f(v["manager_init_s"], ".2f")] for k, v in s["sources"].items()]
+    out = text_table(["source", "median s", "min s", "MB/s", "tiers", "bitwise",
+                      "Manager() s"], rows)
+    out += "\nsave (until durable / complete), slowest rank: " + ", ".join(
+        f"{k} {v:.2f} s" for k, v in s["save_s"].items())
+    return out
+
+
+def summary_md(doc: dict[str, Any]) -> str:
+    s = doc["summary"]
+    rows = [[k, f(v["median_s"], ".2f"), f(v["mbps"], ".0f"),
+             "yes" if v["bitwise_equal"] else "**NO**"] for k, v in s["sources"].items()]
+    out = md_table([f"restore {s['state_bytes'] / MB:.0f} MB, {doc['args']['world']} ranks",
+                    "seconds (median)", "MB/s", "bitwise equal"], rows)
+    for k, why in doc.get("not_measured", {}).items():
+        out += f"\n\n{k}: not measured: {why}"
+    return out
+
+
+def plot(doc: dict[str, Any], path: Path) -> None:
+    pyplot = plt()
+    s = doc["summary"]
+    names = list(s["sources"])
+    vals = [s["sources"][n]["median_s"] for n in names]
+    colors = ["tab:green" if not n.startswith("dcp") else "tab:gray" for n in names]
+    fig, ax = pyplot.subplots(figsize=(7, 4.5))
+    bars = ax.bar(names, vals, color=colors)
+    for b, v in zip(bars, vals, strict=True):
+        ax.annotate(f"{v:.2f} s", (b.get_x() + b.get_width() / 2, v), ha="center",
+                    va="bottom", fontsize=8)
+    ax.set_ylabel("restore time (s, slowest rank, median)")
+    m = doc["machine"]
+    ax.set_title(f"Restore by source: {s['state_bytes'] / MB:.0f} MB, {doc['args']['world']} "
+                 f"ranks, {m['device']}, {m['cpu_count']} cores (green: aegis, gray: DCP)",
+                 fontsize=10)
+    ax.tick_params(axis="x", labelsize=8)
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    pyplot.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parse(argv)
+    doc = new_doc(NAME, __file__, argv, args)
+    shape = gpt_shape(args.state_mb * args.size)
+    doc["model"] = shape
+    work = Path(tempfile.mkdtemp(prefix="aegis-bench-restore-", dir=args.work_dir))
+    shm = Path(tempfile.mkdtemp(prefix="aegis-bench-restore-", dir="/dev/shm"))
+    paths = {"stores": str(shm / "stores"), "events": str(work / "events"),
+             "file": f"file://{work}/durable", "dcp_dir": str(work / "dcp")}
+    no_s3fs = have_s3fs()
+    doc["not_measured"] = {"dcp s3fs": no_s3fs} if no_s3fs else {}
+    print(f"{NAME}: {args.world} nodes, TinyGPT {shape['params'] / 1e6:.1f}M params "
+          f"({shape['state_bytes'] / MB:.0f} MB state), {args.repeats} restores per source",
+          flush=True)
+    moto = MotoServer()
+    try:
+        bucket = moto.bucket()
+        paths.update(s3=f"s3://{bucket}/aegis", dcp_s3=f"s3://{bucket}/dcp")
+        s3kw = None if no_s3fs else moto.s3fs_kwargs()  # aegis reaches S3 through boto3
+        ranks = run_ranks(args.world, _rank_main, args, shape, paths, s3kw,
+                          timeout=args.timeout, env=moto.env,
+                          rank_env=lambda r: {"AEGIS_NODE_ID": f"node-{r}"})
+    finally:
+        moto.stop()
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
+    doc["summary"] = summarize(ranks)
+    doc["ranks"] = ranks
+    print(report(doc))
+    bad = {k: v for k, v in doc["summary"]["sources"].items()
+           if not (v["bitwise_equal"] and v["tier_ok"])}
+    if bad:
+        doc["errors"]["restore"] = f"not bitwise equal or wrong tier: {sorted(bad)}"
+        print(f"ERROR: {doc['errors']['restore']}")
+    write_doc(doc, args.out)
+    plot(doc, args.out.with_suffix(".png"))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())
