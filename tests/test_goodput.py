@@ -281,6 +281,23 @@ def test_measured_from_bench_results(tmp_path: Path) -> None:
         measured_from_bench(tmp_path / "other.json")
 
 
+RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"
+
+
+@pytest.mark.parametrize("name, fields", [
+    ("recovery", ("restart_s", "memory_restore_s", "durable_restore_s", "step_s")),
+    ("snapshot_overhead", ("memory_snapshot_s", "memory_latency_s")),
+    ("restore", ("memory_restore_s", "durable_restore_s", "durable_latency_s")),
+    ("goodput", ("memory_snapshot_s", "restart_s", "memory_restore_s", "durable_restore_s")),
+])
+def test_measured_from_the_committed_bench_results(name: str, fields: tuple[str, ...]) -> None:
+    """The planner reads what `make bench` / `make goodput` write today (guards schema drift)."""
+    m = measured_from_bench(RESULTS / f"{name}.json")
+    for f in fields:
+        v = getattr(m, f)
+        assert isinstance(v, float) and 0 < v < 3600, (name, f, v)
+
+
 def test_plan_command_table_json_and_errors(tmp_path: Path) -> None:
     runner = CliRunner()
     args = ["--nodes", "16", "--failures-per-day", "2", "--gpu-hour-cost", "2.5", "--snapshot-s",

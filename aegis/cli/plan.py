@@ -117,7 +117,7 @@ def _pick(name: str, explicit: float | None, measured: float | None, fallback: f
 @click.option("--events", "events_dirs", type=click.Path(path_type=Path, exists=True), multiple=True,
               help="A run's events directory (rank-NNNNN.jsonl files, searched recursively).")
 @click.option("--bench", "bench_files", type=click.Path(path_type=Path, exists=True, dir_okay=False),
-              multiple=True, help="A bench/results/*.json file (recovery, snapshot_overhead, durable, goodput).")
+              multiple=True, help="A bench/results/*.json file (recovery, snapshot_overhead, restore, goodput).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
 def plan(nodes: int, gpus_per_node: int, gpu_hour_cost: float | None, mtbf_node_hours: float | None,
          failures_per_day: float | None, memory_coverage: float, snapshot_s: float | None,
