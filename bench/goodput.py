@@ -41,7 +41,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,7 +48,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from _machine import machine_basics, replace_block  # noqa: E402 - bench/ is on sys.path as a script
+from _machine import git_info, machine_basics, replace_block  # noqa: E402 - bench/ is on sys.path as a script
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -260,13 +259,6 @@ def predict(arm: dict[str, Any], failures: int, *, events_only: bool = False) ->
             "recompute": w.recompute, "restart": w.restart, "plan_goodput_at_its_optimum": at_optimum}
 
 
-def _git() -> dict[str, Any]:
-    def run(*cmd: str) -> str:
-        return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip()
-
-    return {"commit": run("git", "rev-parse", "HEAD"), "dirty": run("git", "status", "--porcelain").splitlines()}
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--mtbf", type=float, default=45.0, help="seconds between node losses")
@@ -294,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="aegis-bench-goodput-"))
     doc: dict[str, Any] = {
         "bench": "goodput", "command": " ".join([sys.executable, *sys.argv]), "argv": sys.argv[1:],
-        "args": vars(args), "machine": machine_basics(), "git": _git(), "started": t0,
+        "args": vars(args), "machine": machine_basics(), "git": git_info(), "started": t0,
         "loadavg_1m": {"start": os.getloadavg()[0]},
     }
     try:
