@@ -175,6 +175,24 @@ def sharded_state(model: Any, opt: Any) -> dict[str, Any]:
     return {"model": msd, "optim": osd}
 
 
+ALIGN = 64  # the shard format's tensor alignment: the memcpy floors copy into the same layout
+
+
+def aligned_nbytes(tensors: Sequence[Any]) -> int:
+    """Bytes of one buffer holding ``tensors`` back to back, each at an ``ALIGN``-byte offset."""
+    return sum((t.numel() * t.element_size() + ALIGN - 1) // ALIGN * ALIGN for t in tensors)
+
+
+def aligned_views(buf: Any, tensors: Sequence[Any]) -> list[Any]:
+    """Views of the uint8 ``buf`` shaped like ``tensors``, laid out as :func:`aligned_nbytes`."""
+    views, off = [], 0
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        views.append(buf[off:off + n].view(t.dtype).view(t.shape))
+        off += (n + ALIGN - 1) // ALIGN * ALIGN
+    return views
+
+
 def digest(sd: dict[str, Any]) -> tuple[str, int]:
     """(crc32 of every local tensor's bytes in key order, local tensor bytes)."""
     import torch

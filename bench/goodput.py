@@ -62,29 +62,11 @@ from aegis.goodput import (  # noqa: E402
     two_level_waste,
     waste,
 )
+from aegis.sim.scenario import read_events, read_jsonl  # noqa: E402
 
 TRAINER = str(ROOT / "examples" / "train_fsdp.py")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "goodput.json"
 TARGET_PP = 5.0
-
-
-def _jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:  # a line cut by a kill
-            continue
-    return out
-
-
-def _events(work: Path) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-    for f in sorted((work / "events").glob("*/rank-*.jsonl")):
-        out.extend(_jsonl(f))
-    return sorted(out, key=lambda e: e["time"])
 
 
 def _step_time(records: list[dict[str, Any]], sleep_s: float, kills: Sequence[float] = ()) -> float:
@@ -127,7 +109,7 @@ def calibrate(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         cluster.shutdown()
     if any(c != 0 for c in codes.values()):
         raise RuntimeError(f"calibration failed: exit codes {codes}; see {work}")
-    records = _jsonl(work / "loss.jsonl")
+    records = read_jsonl(work / "loss.jsonl")
     t = _step_time(records, args.step_sleep)
     m = measured_from_events(work / "events")
     c_mem = m.memory_snapshot_s or 0.0
@@ -158,11 +140,11 @@ def run_arm(args: argparse.Namespace, name: str, work: Path, every: int, durable
     try:
         cluster.start()
         deadline = time.monotonic() + args.arm_timeout
-        while not _jsonl(loss_log):
+        while not read_jsonl(loss_log):
             if time.monotonic() > deadline or not cluster.alive_nodes():
                 raise RuntimeError(f"{name}: step 1 was never logged; see {work}")
             time.sleep(0.05)
-        t_start = _jsonl(loss_log)[0]["time"]
+        t_start = read_jsonl(loss_log)[0]["time"]
         for i in range(args.failures):
             t_at = t_start + args.mtbf / 2 + i * args.mtbf
             while time.time() < t_at:
@@ -179,8 +161,8 @@ def run_arm(args: argparse.Namespace, name: str, work: Path, every: int, durable
         alive_at_end = cluster.alive_nodes()
     finally:
         cluster.shutdown()
-    records = [r for r in _jsonl(loss_log) if r["time"] <= t_end]
-    events = _events(work)
+    records = [r for r in read_jsonl(loss_log) if r["time"] <= t_end]
+    events = read_events(work)
     t = _step_time(records, args.step_sleep, [k["t_kill"] for k in kills])
     restores = [e for e in events if e["event"] == "restore" and e.get("found") and e["rank"] == 0]
     firsts: set[int] = set()

@@ -43,6 +43,8 @@ from typing import Any
 from _common import (  # noqa: E402 - bench/ is on sys.path as a script
     MB,
     RESULTS,
+    aligned_nbytes,
+    aligned_views,
     f,
     free_port,
     md_table,
@@ -53,7 +55,6 @@ from _common import (  # noqa: E402 - bench/ is on sys.path as a script
 )
 
 NAME = "gpu_check"
-_ALIGN = 64
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -67,19 +68,6 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--no-scripts", action="store_true", help="skip part 4")
     p.add_argument("--out", type=Path, default=RESULTS / f"{NAME}.json")
     return p.parse_args(argv)
-
-
-def _views(buf: Any, tensors: list[Any]) -> list[Any]:
-    views, off = [], 0
-    for t in tensors:
-        n = t.numel() * t.element_size()
-        views.append(buf[off:off + n].view(t.dtype).view(t.shape))
-        off += (n + _ALIGN - 1) // _ALIGN * _ALIGN
-    return views
-
-
-def _nbytes(tensors: list[Any]) -> int:
-    return sum((t.numel() * t.element_size() + _ALIGN - 1) // _ALIGN * _ALIGN for t in tensors)
 
 
 class _Slot:
@@ -145,7 +133,7 @@ def _state(args: argparse.Namespace) -> tuple[Any, Any, Any, list[Any]]:
 def staging(args: argparse.Namespace, tensors: list[Any], tmp: Path) -> dict[str, Any]:
     import torch
 
-    nbytes = _nbytes(tensors)
+    nbytes = aligned_nbytes(tensors)
     out: dict[str, Any] = {}
     kinds: list[tuple[str, Any]] = [
         ("pageable", lambda: torch.zeros(nbytes, dtype=torch.uint8)),
@@ -159,7 +147,7 @@ def staging(args: argparse.Namespace, tensors: list[Any], tmp: Path) -> dict[str
             out[name] = {"error": f"{type(e).__name__}: {e}"}
             continue
         host = buf.tensor if isinstance(buf, _Slot) else buf
-        views = _views(host, tensors)
+        views = aligned_views(host, tensors)
         gpu_s, host_s = [], []
         for i in range(args.repeats + 1):
             torch.cuda.synchronize()
@@ -190,8 +178,8 @@ def overlap(args: argparse.Namespace, model: Any, opt: Any, fwd_bwd: Any, tensor
             ) -> dict[str, Any]:
     import torch
 
-    buf = torch.zeros(_nbytes(tensors), dtype=torch.uint8, pin_memory=True)
-    views = _views(buf, tensors)
+    buf = torch.zeros(aligned_nbytes(tensors), dtype=torch.uint8, pin_memory=True)
+    views = aligned_views(buf, tensors)
     side = torch.cuda.Stream()
     res: dict[str, Any] = {}
 
@@ -349,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="aegis-gpu-check-", dir="/dev/shm"))
     try:
         model, opt, fwd_bwd, tensors = _state(args)
-        print(f"{NAME}: {torch.cuda.get_device_name()}, {_nbytes(tensors) / MB:.0f} MB of state",
+        print(f"{NAME}: {torch.cuda.get_device_name()}, {aligned_nbytes(tensors) / MB:.0f} MB of state",
               flush=True)
         doc["staging"] = staging(args, tensors, tmp)
         print(text_table(["staging", "GB/s", "GPU ms", "host blocked ms"],

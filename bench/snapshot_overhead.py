@@ -47,6 +47,8 @@ from typing import Any
 
 from _common import (  # noqa: E402 - bench/ is on sys.path as a script
     RESULTS,
+    aligned_nbytes,
+    aligned_views,
     f,
     md_table,
     new_doc,
@@ -66,7 +68,6 @@ LABELS = {
     "dcp_async_thread": "dcp.async_save thread",
     "dcp_async_process": "dcp.async_save process",
 }
-_ALIGN = 64
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -127,15 +128,6 @@ def _local_tensors(sd: Any) -> list[Any]:
 
     walk(sd)
     return out
-
-
-def _views(buf: Any, tensors: list[Any]) -> list[Any]:
-    views, off = [], 0
-    for t in tensors:
-        n = t.numel() * t.element_size()
-        views.append(buf[off:off + n].view(t.dtype).view(t.shape))
-        off += (n + _ALIGN - 1) // _ALIGN * _ALIGN
-    return views
 
 
 def _one_size(rank: int, world: int, args: argparse.Namespace, mib: float, root: Path
@@ -210,9 +202,8 @@ def _one_size(rank: int, world: int, args: argparse.Namespace, mib: float, root:
                     raw.setdefault(k, []).append(v)
 
     if "floor" in args.cases:
-        buf = torch.zeros(sum((t.numel() * t.element_size() + _ALIGN - 1) // _ALIGN * _ALIGN
-                              for t in tensors), dtype=torch.uint8, pin_memory=cuda)
-        views = _views(buf, tensors)
+        buf = torch.zeros(aligned_nbytes(tensors), dtype=torch.uint8, pin_memory=cuda)
+        views = aligned_views(buf, tensors)
 
         def floor(_: int) -> dict[str, float]:
             src = _local_tensors(get_state_dict(model, opt))

@@ -20,7 +20,7 @@ from typing import Any
 import click
 from rich.table import Table
 
-from aegis.cli._common import EXIT_OK, CliError, json_number, show, stdout_console
+from aegis.cli._common import EXIT_OK, CliError, fmt_age, json_number, show, stdout_console
 from aegis.goodput import (
     DAY_S,
     Measured,
@@ -39,13 +39,7 @@ def _dur(s: float | None) -> str:
         return "-"
     if s < 1:
         return f"{s * 1e3:.0f} ms" if s < 0.1 else f"{s:.2f} s"
-    if s < 60:
-        return f"{s:.1f} s"
-    if s < 3600:
-        return f"{int(s // 60)}m {int(s % 60):02d}s"
-    if s < 86400:
-        return f"{int(s // 3600)}h {int(s % 3600 // 60):02d}m"
-    return f"{int(s // 86400)}d {int(s % 86400 // 3600):02d}h"
+    return f"{s:.1f} s" if s < 60 else fmt_age(s)
 
 
 def _steps(s: float | None, step_s: float | None) -> str:
