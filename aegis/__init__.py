@@ -10,15 +10,18 @@ from aegis.errors import (
     CollectiveError,
     ConfigError,
     CorruptShardError,
+    IncompatibleSnapshotError,
     ManifestError,
     NoSnapshotError,
+    PerRankStateError,
     SnapshotTimeoutError,
     StateMismatchError,
+    StepOrderError,
     StoreFullError,
 )
 from aegis.training.config import ManagerConfig
 from aegis.training.manager import Manager
-from aegis.training.state import ModelOptimizerState
+from aegis.training.state import ModelOptimizerState, PerRank, Replicated, per_rank, replicated
 
 __version__ = "0.1.0"
 
@@ -26,13 +29,20 @@ __all__ = [
     "Manager",
     "ManagerConfig",
     "ModelOptimizerState",
+    "PerRank",
+    "Replicated",
+    "per_rank",
+    "replicated",
     "AegisError",
     "CollectiveError",
     "ConfigError",
     "CorruptShardError",
+    "IncompatibleSnapshotError",
     "ManifestError",
     "NoSnapshotError",
+    "PerRankStateError",
     "SnapshotTimeoutError",
     "StateMismatchError",
+    "StepOrderError",
     "StoreFullError",
 ]

@@ -33,6 +33,9 @@ _SAME_TYPE: dict[str, type[AegisError]] = {
         errors.StateMismatchError,
         errors.NoSnapshotError,
         errors.SnapshotTimeoutError,
+        errors.PerRankStateError,
+        errors.StepOrderError,
+        errors.IncompatibleSnapshotError,
     )
 }
 

@@ -10,12 +10,15 @@ __all__ = [
     "AegisError",
     "ConfigError",
     "ManifestError",
+    "IncompatibleSnapshotError",
     "CorruptShardError",
     "StoreFullError",
     "StateMismatchError",
     "NoSnapshotError",
     "CollectiveError",
     "SnapshotTimeoutError",
+    "StepOrderError",
+    "PerRankStateError",
 ]
 
 
@@ -29,6 +32,11 @@ class ConfigError(AegisError, ValueError):
 
 class ManifestError(AegisError):
     """A manifest cannot be trusted: unreadable, another job's, or from a newer format."""
+
+
+class IncompatibleSnapshotError(ManifestError):
+    """A manifest that is intact but not for this reader: another job's, or another format
+    version. Never guessed past (unlike a damaged manifest, which recovery skips)."""
 
 
 class CorruptShardError(AegisError):
@@ -57,6 +65,16 @@ class NoSnapshotError(AegisError):
 
 class SnapshotTimeoutError(AegisError):
     """A snapshot phase waited longer than the configured timeout (a peer stopped answering)."""
+
+
+class StepOrderError(AegisError):
+    """``save(step)`` was called with a step that does not follow the last one saved or
+    restored, or with different steps on different ranks."""
+
+
+class PerRankStateError(AegisError):
+    """Per-rank state cannot be given back: the world size changed and the entry has no way to
+    reshard it (see :func:`aegis.per_rank`)."""
 
 
 class CollectiveError(AegisError):

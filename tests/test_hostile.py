@@ -38,6 +38,7 @@ from aegis.snapshot.manifest import (
     ItemRecord,
     Manifest,
     ShardRecord,
+    body_checksum,
     chunk_to_row,
     item_to_doc,
 )
@@ -54,7 +55,15 @@ def good_doc() -> Doc:
 
 
 def parse(doc_or_text: Doc | str) -> Manifest:
-    text = doc_or_text if isinstance(doc_or_text, str) else json.dumps(doc_or_text)
+    """Parse a manifest edited *and resealed* (its checksum recomputed, as a forger would): the
+    checks past the checksum must hold on their own. ``test_any_edit_without_reseal_...`` covers
+    edits that leave the checksum as it was."""
+    if isinstance(doc_or_text, str):
+        text = doc_or_text
+    else:
+        if "checksum" in doc_or_text:
+            doc_or_text["checksum"] = body_checksum(doc_or_text)
+        text = json.dumps(doc_or_text)
     return Manifest.from_json(text, where="hostile/manifest.json")
 
 
@@ -180,6 +189,16 @@ def test_manifest_with_hostile_field_is_rejected(mutate: Callable[[Doc], object]
     assert "hostile/manifest.json" in str(e.value)  # the message names the file
 
 
+@pytest.mark.parametrize(("mutate", "message"), [(m, msg) for _, m, msg in HOSTILE_FIELDS],
+                         ids=[n for n, _, _ in HOSTILE_FIELDS])
+def test_any_edit_without_reseal_fails_the_checksum(mutate: Callable[[Doc], object], message: str) -> None:
+    d = good_doc()
+    mutate(d)
+    with pytest.raises(ManifestError, match="fails its checksum|no checksum") as e:
+        Manifest.from_json(json.dumps(d), where="hostile/manifest.json")
+    assert "hostile/manifest.json" in str(e.value)
+
+
 def test_manifest_nested_too_deep_is_rejected() -> None:
     # the JSON decoder recurses: 100k nested lists would raise RecursionError, not ManifestError
     d = sample().to_json()
@@ -205,6 +224,8 @@ def test_entry_and_node_names_never_become_paths_or_keys(name: str, tmp_path: Pa
     dict key), but every path and object key built for the manifest stays inside its prefix."""
     d = good_doc()
     d["entries"][name] = d["entries"].pop("lr")
+    d["planner_data"][name] = [name]
+    d["planner_data"].pop("lr")
     for s in d["shards"]:
         s["items"][1]["fqn"] = name
         s["node"] = name
@@ -304,6 +325,7 @@ def test_hostile_job_names_are_rejected(job: str, tmp_path: Path) -> None:
 def foreign_manifest(job: str = "other", step: int = 5) -> bytes:
     d = good_doc()
     d["job"], d["step"] = job, step
+    d["checksum"] = body_checksum(d)  # an intact manifest, of another job
     return json.dumps(d).encode()
 
 

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from aegis.errors import ManifestError
+from aegis.errors import IncompatibleSnapshotError, ManifestError
 from aegis.snapshot.manifest import (
     FORMAT_VERSION,
     BytesEntry,
@@ -14,6 +14,7 @@ from aegis.snapshot.manifest import (
     Manifest,
     ShardRecord,
     TensorEntry,
+    body_checksum,
 )
 
 
@@ -41,7 +42,7 @@ def sample() -> Manifest:
             "w": TensorEntry("float32", (8, 4), (((0, 0), (4, 4)), ((4, 0), (4, 4)))),
             "lr": BytesEntry(),
         },
-        planner_data={"w": ("w",), "lr": ("opt", "lr")},
+        planner_data={"w": ("w",), "lr": ("lr",)},
         timings={"blocking_s_max": 0.01},
         created=123.0,
     )
@@ -62,11 +63,40 @@ def doc() -> dict:
     return json.loads(sample().to_json())
 
 
+def reseal(d: dict) -> dict:
+    d["checksum"] = body_checksum(d)
+    return d
+
+
 def test_newer_format_version_is_rejected() -> None:
     d = doc()
     d["format_version"] = FORMAT_VERSION + 1
-    with pytest.raises(ManifestError, match="newer aegis"):
+    with pytest.raises(IncompatibleSnapshotError, match="newer aegis"):
+        Manifest.from_doc(reseal(d))
+
+
+def test_a_flipped_format_version_is_damage_not_a_newer_format() -> None:
+    d = doc()
+    d["format_version"] = FORMAT_VERSION + 1
+    with pytest.raises(ManifestError, match="fails its checksum") as e:
         Manifest.from_doc(d)
+    assert not isinstance(e.value, IncompatibleSnapshotError)
+
+
+def test_format_1_manifest_is_named_as_older() -> None:
+    d = doc()
+    d.pop("checksum")
+    d.pop("state_kinds")
+    d["format_version"] = 1
+    with pytest.raises(IncompatibleSnapshotError, match="older aegis"):
+        Manifest.from_doc(d)
+
+
+def test_planner_data_must_spell_its_key() -> None:
+    d = doc()
+    d["planner_data"]["w"] = ["x"]
+    with pytest.raises(ManifestError, match="does not spell its key"):
+        Manifest.from_doc(reseal(d))
 
 
 @pytest.mark.parametrize(
@@ -87,8 +117,10 @@ def test_newer_format_version_is_rejected() -> None:
 def test_hostile_manifests_are_rejected(mutate, message) -> None:  # type: ignore[no-untyped-def]
     d = doc()
     mutate(d)
-    with pytest.raises(ManifestError, match=message):
+    with pytest.raises(ManifestError, match="fails its checksum"):
         Manifest.from_doc(d)
+    with pytest.raises(ManifestError, match=message):
+        Manifest.from_doc(reseal(d))
 
 
 def test_not_json() -> None:

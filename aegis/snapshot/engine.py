@@ -25,7 +25,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor
 
 from aegis import _fault
 from aegis._dist import Group
-from aegis.errors import AegisError, CollectiveError, CorruptShardError, StoreFullError
+from aegis.errors import AegisError, CollectiveError, CorruptShardError, StepOrderError, StoreFullError
 from aegis.snapshot.dcp_io import DEFAULT_CHUNK_BYTES, StagedShard, complete, stage
 from aegis.snapshot.manifest import BytesEntry, Manifest, ShardRecord, TensorEntry
 from aegis.snapshot.node_store import NodeStore, Slot
@@ -184,8 +184,12 @@ class SnapshotEngine:
         upload_filter: Callable[[int], bool] | None = None,
         on_commit: Callable[[Manifest], None] | None = None,
         extra_snapshots: int = 0,
+        state_kinds: Mapping[str, str] | None = None,
     ) -> None:
         self.store = store
+        # entry name -> kind, recorded in each manifest; the owner (the Manager) fills it in when
+        # it builds the state dict, before the save that commits it
+        self.state_kinds = state_kinds if state_kinds is not None else {}
         self.group = group
         self.rank = group.rank
         self.world = group.world
@@ -252,7 +256,7 @@ class SnapshotEngine:
             raise AegisError("save() after close(): create a new Manager")
         if step <= self.last_step:
             # Same answer on every rank (the last step is common knowledge), so no rank waits.
-            raise AegisError(
+            raise StepOrderError(
                 f"save({step}): step {self.last_step} is already snapshotted or restored; steps must "
                 "increase (saving a step again would replace a committed snapshot)"
             )
@@ -267,7 +271,7 @@ class SnapshotEngine:
         changed = self._plan is None or fingerprint != self._plan.fingerprint
         any_changed, hi, neg_lo = self.group.all_reduce_max([int(changed), step, -step], "save")
         if hi != -neg_lo:
-            raise AegisError(
+            raise StepOrderError(
                 f"ranks called save() with different steps (from {-neg_lo} to {hi}); every rank "
                 "must call save(step) with the same step, in the same order"
             )
@@ -638,6 +642,7 @@ class SnapshotEngine:
                          for r in range(self.world)),
             entries=self._plan.entries if self._plan else {},
             planner_data=self._plan.planner_data if self._plan else {},
+            state_kinds=dict(self.state_kinds),
             mesh=self.mesh,
             timings={
                 "blocking_s_max": max(rep[3] for rep in reports),

@@ -7,6 +7,11 @@ Parsing is strict: duplicate JSON keys, unknown or missing fields, wrong types, 
 absurd sizes and offsets, chunks that overlap or run past the end of their shard, and items that
 disagree with the entries they belong to are rejected with a :class:`ManifestError` before any
 byte of a shard is trusted.
+
+A manifest carries the crc32c of its own canonical body (the compact, key-sorted JSON of every
+field but ``checksum``), checked before any field is used: a manifest damaged in a way that
+still parses (a digit of an offset, two names swapped) is a damaged manifest, not a different
+snapshot. Every format version keeps this rule, so a flipped ``format_version`` reads as damage.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import crc32c as _crc32c
 import torch
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -27,7 +33,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from aegis.errors import ManifestError
+from aegis.errors import IncompatibleSnapshotError, ManifestError
 
 __all__ = [
     "FORMAT_VERSION",
@@ -39,11 +45,19 @@ __all__ = [
     "BytesEntry",
     "Manifest",
     "ShardLocation",
+    "STATE_KINDS",
     "dtype_name",
     "dtype_from_name",
 ]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: manifest checksum, per-rank state kinds
+SHARD_FORMAT_VERSION = 1  # the shard index's own format (unchanged by 2)
+
+# How an entry of the training state is stored (``Manifest.state_kinds``):
+#   sharded     DTensor / model + optimizer state through DCP: one global tensor, chunked by rank
+#   per_rank    every rank's own state_dict(), under ``per_rank.rankNNNNN.<name>``
+#   replicated  the same on every rank: saved once (DCP de-duplicates), loaded by every rank
+STATE_KINDS = ("sharded", "per_rank", "replicated")
 
 _MAX_SIZE = 1 << 50  # 1 PiB: anything larger in a manifest is corrupt, not a real snapshot
 MAX_WORLD_SIZE = 100_000  # shard paths and keys hold the rank in 5 digits ("rank-00042")
@@ -188,6 +202,7 @@ class Manifest:
     mesh: Mapping[str, Any] = field(default_factory=dict)
     timings: Mapping[str, float] = field(default_factory=dict)
     created: float = 0.0
+    state_kinds: Mapping[str, str] = field(default_factory=dict)  # entry name -> STATE_KINDS
     format_version: int = FORMAT_VERSION
 
     # -- derived views -------------------------------------------------------------------------
@@ -267,7 +282,9 @@ class Manifest:
                 for k, v in self.entries.items()
             },
             "planner_data": {k: list(v) for k, v in self.planner_data.items()},
+            "state_kinds": dict(self.state_kinds),
         }
+        doc["checksum"] = body_checksum(doc)
         return json.dumps(doc, separators=(",", ":"), sort_keys=True)
 
     @classmethod
@@ -278,11 +295,12 @@ class Manifest:
     def from_doc(cls, doc: Any, *, where: str = "manifest") -> Manifest:
         p = _Parser(where)
         d = p.obj(doc, "manifest")
+        check_checksum(d, where)
         if "format_version" not in d:
             raise p.fail("manifest is missing field(s) ['format_version']")
         version = p.int_(d["format_version"], "format_version")
         if version > FORMAT_VERSION:
-            raise ManifestError(
+            raise IncompatibleSnapshotError(
                 f"{where}: written by a newer aegis (format version {version}, this aegis reads "
                 f"up to {FORMAT_VERSION}); upgrade aegis to read it"
             )
@@ -291,8 +309,8 @@ class Manifest:
         p.fields(
             d,
             "manifest",
-            required={"format_version", "job", "step", "world_size", "shards", "entries"},
-            optional={"created", "mesh", "timings", "planner_data"},
+            required={"format_version", "job", "step", "world_size", "shards", "entries", "checksum"},
+            optional={"created", "mesh", "timings", "planner_data", "state_kinds"},
         )
         job = p.str_(d["job"], "job")
         step = p.int_(d["step"], "step")
@@ -353,7 +371,18 @@ class Manifest:
             path = p.list_(v, f"planner_data[{k!r}]")
             if not all(isinstance(x, (str, int)) and not isinstance(x, bool) for x in path):
                 raise ManifestError(f"{where}: planner_data[{k!r}] must be a list of str/int")
+            if ".".join(map(str, path)) != k or k not in entries:
+                # DCP names a flattened key by joining its path with dots: a path that does not
+                # spell its key would load (or export) a tensor under another name.
+                raise ManifestError(
+                    f"{where}: planner_data[{k!r}] = {path!r} does not spell its key or names no entry"
+                )
             planner_data[k] = tuple(path)
+        state_kinds: dict[str, str] = {}
+        for k, v in p.obj(d.get("state_kinds", {}), "state_kinds").items():
+            if v not in STATE_KINDS:
+                raise ManifestError(f"{where}: state_kinds[{k!r}] = {v!r}, expected one of {STATE_KINDS}")
+            state_kinds[k] = v
         timings = {
             k: float(p.num(v, f"timings[{k!r}]"))
             for k, v in p.obj(d.get("timings", {}), "timings").items()
@@ -368,6 +397,7 @@ class Manifest:
             mesh=p.obj(d.get("mesh", {}), "mesh"),
             timings=timings,
             created=float(p.num(d.get("created", 0.0), "created")),
+            state_kinds=state_kinds,
             format_version=version,
         )
         _check_items_against_entries(manifest, where)
@@ -375,6 +405,36 @@ class Manifest:
 
 
 # -- helpers -------------------------------------------------------------------------------------
+
+
+def body_checksum(doc: Mapping[str, Any]) -> str:
+    """``crc32c:<8 hex digits>`` of the canonical JSON of ``doc`` without its ``checksum``."""
+    body = {k: v for k, v in doc.items() if k != "checksum"}
+    text = json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
+    return f"crc32c:{_crc32c.crc32c(text):08x}"
+
+
+def check_checksum(d: dict[str, Any], where: str) -> None:
+    """Raise ManifestError unless ``d`` carries the checksum of its own canonical body."""
+    got = d.get("checksum")
+    if got is None:
+        version = d.get("format_version")
+        if version == 1:
+            raise IncompatibleSnapshotError(
+                f"{where}: written by an older aegis (format version 1, before manifests carried a "
+                f"checksum); this aegis reads format {FORMAT_VERSION}. Restore or export it with the "
+                "aegis that wrote it, or start a new job name"
+            )
+        raise ManifestError(f"{where}: manifest has no checksum; the file is damaged or forged")
+    try:
+        want = body_checksum(d)
+    except (TypeError, ValueError) as e:  # a doc that did not come from JSON text
+        raise ManifestError(f"{where}: manifest is not a JSON document ({e})") from None
+    if got != want:
+        raise ManifestError(
+            f"{where}: manifest fails its checksum ({got!r} recorded, {want!r} computed): it was "
+            "damaged after it was written; this copy is not used"
+        )
 
 
 def _shard_to_doc(s: ShardRecord) -> dict[str, Any]:

@@ -26,11 +26,18 @@ from pathlib import Path
 
 import torch
 
-from aegis.errors import ConfigError, CorruptShardError, ManifestError, StoreFullError
+from aegis.errors import (
+    ConfigError,
+    CorruptShardError,
+    IncompatibleSnapshotError,
+    ManifestError,
+    StoreFullError,
+)
 from aegis.snapshot.manifest import Manifest, ShardRecord
 from aegis.snapshot.shard import (
     FOOTER_SIZE,
     ShardIndex,
+    check_index_matches,
     decode_footer,
     decode_index,
     verify_chunks,
@@ -146,7 +153,7 @@ class NodeStore:
             raise ManifestError(f"cannot read {path}: {e}") from e
         manifest = Manifest.from_json(text, where=str(path))
         if manifest.job != self.job:
-            raise ManifestError(
+            raise IncompatibleSnapshotError(
                 f"{path} belongs to job {manifest.job!r}, not {self.job!r}: a store directory "
                 "must not be shared between jobs; move it away or use another job name"
             )
@@ -236,17 +243,22 @@ class NodeStore:
             try:
                 verify_chunks(m, record.chunks, step=step, rank=record.rank, where=where, only=chunks)
                 footer = m[size - FOOTER_SIZE:]
+                try:
+                    start, icrc = decode_footer(footer, size=size, where=str(path))
+                    if icrc != record.index_crc32c:
+                        raise CorruptShardError(
+                            f"shard index of rank {record.rank} at step {step} in {where} does not "
+                            "match the manifest (index crc32c differs)", step=step, rank=record.rank,
+                            where=where)
+                    # The shard's own index (crc-checked) must agree with the manifest's record:
+                    # what is loaded is located by the manifest, and either may be the damaged one.
+                    index = decode_index(m[start:size - FOOTER_SIZE], crc=icrc, size=size, where=str(path))
+                except ManifestError as e:
+                    raise CorruptShardError(f"shard of rank {record.rank} at step {step}: {e}",
+                                            step=step, rank=record.rank, where=where) from e
             finally:
                 m.close()
-            try:
-                _, icrc = decode_footer(footer, size=size, where=str(path))
-            except ManifestError as e:
-                raise CorruptShardError(f"shard of rank {record.rank} at step {step}: {e}",
-                                        step=step, rank=record.rank, where=where) from e
-            if icrc != record.index_crc32c:
-                raise CorruptShardError(
-                    f"shard index of rank {record.rank} at step {step} in {where} does not match the "
-                    "manifest (index crc32c differs)", step=step, rank=record.rank, where=where)
+            check_index_matches(index, record, step=step, where=where)
 
     # -- space ---------------------------------------------------------------------------------
 

@@ -31,9 +31,10 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from aegis.errors import CorruptShardError, ManifestError
 from aegis.snapshot.manifest import (
-    FORMAT_VERSION,
+    SHARD_FORMAT_VERSION,
     ChunkRecord,
     ItemRecord,
+    ShardRecord,
     _Parser,
     check_layout,
     chunk_from_doc,
@@ -58,6 +59,7 @@ __all__ = [
     "crc32c",
     "verify_chunks",
     "check_blob",
+    "check_index_matches",
     "chunks_for_ranges",
 ]
 
@@ -143,7 +145,7 @@ class ShardIndex:
     rank: int
     chunks: tuple[ChunkRecord, ...]
     items: tuple[ItemRecord, ...]
-    format_version: int = FORMAT_VERSION
+    format_version: int = SHARD_FORMAT_VERSION
 
     @property
     def data_end(self) -> int:
@@ -220,9 +222,9 @@ def decode_index(body: bytes, *, crc: int, size: int, where: str) -> ShardIndex:
     if "format_version" not in d:
         raise p.fail("shard index is missing field(s) ['format_version']")
     version = p.int_(d["format_version"], "format_version", lo=1)
-    if version > FORMAT_VERSION:
+    if version > SHARD_FORMAT_VERSION:
         raise ManifestError(
-            f"{where}: shard written by a newer aegis (format {version} > {FORMAT_VERSION}); upgrade aegis"
+            f"{where}: shard written by a newer aegis (format {version} > {SHARD_FORMAT_VERSION}); upgrade aegis"
         )
     p.fields(d, "shard index", required={"format_version", "job", "step", "rank", "chunks", "items"},
              optional=set())
@@ -286,6 +288,39 @@ def verify_chunks(
         f"of {where}: expected {c.crc32c:#010x}, got {got:#010x}",
         step=step, rank=rank, chunk=i, where=where,
     )
+
+
+def check_index_matches(index: ShardIndex, record: ShardRecord, *, step: int, where: str) -> None:
+    """The shard's own index must describe the same layout as the manifest's record of it: same
+    step and rank, same chunks (offset, length, crc32c, dtype) and the same items. A manifest and
+    a shard that disagree are a corrupt snapshot, whichever of the two was damaged."""
+    rank = record.rank
+    problem = None
+    if (index.step, index.rank) != (step, rank):
+        problem = f"it holds the shard of rank {index.rank} at step {index.step}"
+    elif len(index.chunks) != len(record.chunks):
+        problem = f"{len(index.chunks)} chunks in the shard, {len(record.chunks)} in the manifest"
+    else:
+        for i, (a, b) in enumerate(zip(index.chunks, record.chunks, strict=True)):
+            if (a.offset, a.length, a.crc32c, a.dtype) != (b.offset, b.length, b.crc32c, b.dtype):
+                problem = f"chunk {i} is {a.offset}+{a.length} in the shard, {b.offset}+{b.length} in the manifest"
+                break
+        else:
+            mine = {(i.fqn, i.offset): i for i in index.items}
+            for item in record.items:
+                got = mine.get((item.fqn, item.offset))
+                if got != item:
+                    problem = (f"item {item.fqn!r} is at {got.file_offset}+{got.length} in the shard, "
+                               f"{item.file_offset}+{item.length} in the manifest" if got is not None
+                               else f"item {item.fqn!r} of the manifest is not in the shard")
+                    break
+            else:
+                if len(mine) != len(record.items):
+                    problem = f"{len(mine)} items in the shard, {len(record.items)} in the manifest"
+    if problem is not None:
+        raise CorruptShardError(
+            f"shard of rank {rank} at step {step} ({where}) does not match the manifest: {problem}; "
+            "one of the two is damaged", step=step, rank=rank, where=where)
 
 
 def check_blob(data: memoryview | bytes, *, step: int, rank: int, where: str) -> tuple[ShardIndex, int]:

@@ -36,6 +36,12 @@ class ManagerConfig:
         ``$AEGIS_EVENTS_DIR`` or ``<store_dir>/<job>/events``.
     rng: snapshot the python, numpy, torch (and CUDA) RNG states of every rank.
     verbose: print one human line per snapshot and restore on rank 0.
+    debug: check at every snapshot that entries declared :func:`~aegis.replicated` are equal on
+        every rank (one all-gather of a digest per snapshot).
+    fresh: start this job over: remove its snapshots from the node stores when the Manager
+        starts (refused while the durable tier holds committed steps of the job). Without it, a
+        first ``save()`` without ``restore()`` while committed snapshots of the job exist is an
+        error, since the next restore would go back to them.
     durable: object-store URL of the durable tier (``file:///path`` or ``s3://bucket/prefix``);
         None disables it. Checked (bucket, credentials, write access) when the Manager starts.
     durable_every / durable_every_s: upload the committed snapshot every N steps, or when this
@@ -62,6 +68,8 @@ class ManagerConfig:
     events_dir: str | os.PathLike[str] | None = None
     rng: bool = True
     verbose: bool = True
+    debug: bool = False
+    fresh: bool = False
     durable: str | None = None
     durable_every: int = 10
     durable_every_s: float | None = None
@@ -110,6 +118,9 @@ class ManagerConfig:
                 f"chunk_bytes={self.chunk_bytes!r}: must be an integer >= 4096 and a multiple of 64"
             )
 
+        for name in ("rng", "verbose", "debug", "fresh"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}={getattr(self, name)!r}: must be True or False")
         if self.durable is not None and not isinstance(self.durable, str):
             raise ConfigError(f"durable={self.durable!r}: an object-store URL string or None")
         for name in ("durable_every", "durable_keep_last", "durable_max_pending"):

@@ -16,32 +16,47 @@ Every method is collective: all ranks call it, in the same order, with the same 
 from __future__ import annotations
 
 import os
+import pickle
 import time
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
+import crc32c
+import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint._traverse import set_element
 
 from aegis._dist import Group, new_snapshot_group, node_id
-from aegis.errors import AegisError
+from aegis.errors import AegisError, ConfigError, PerRankStateError, StateMismatchError, StepOrderError
 from aegis.goodput import AutoInterval, daly_interval
 from aegis.snapshot.codec import Codec
-from aegis.snapshot.durable import Uploader, UploadResult, clean_uncommitted
+from aegis.snapshot.durable import Uploader, UploadResult, clean_uncommitted, list_steps
 from aegis.snapshot.engine import SnapshotEngine, SnapshotHandle, SnapshotResult, format_bytes
-from aegis.snapshot.manifest import Manifest
+from aegis.snapshot.manifest import Manifest, TensorEntry, dtype_from_name
 from aegis.snapshot.node_store import NodeStore
 from aegis.snapshot.objstore import open_store
 from aegis.snapshot.transport import GlooTransport
 from aegis.training.config import ManagerConfig
 from aegis.training.events import EventLog
-from aegis.training.recovery import RestoreResult, restore_newest
-from aegis.training.state import ModelOptimizerState, check_state, rng_state, set_rng_state
+from aegis.training.recovery import RestoreResult, check_keys, restore_newest
+from aegis.training.state import (
+    ModelOptimizerState,
+    PerRank,
+    Reshard,
+    _hook,
+    check_state,
+    rng_state,
+    set_rng_state,
+    state_kind,
+)
 
 __all__ = ["Manager"]
 
 _APP = "app"
 _RNG = "rng"
+_PER_RANK = "per_rank"
 
 
 class Manager:
@@ -67,6 +82,8 @@ class Manager:
         events_dir: str | None = None,
         rng: bool = True,
         verbose: bool = True,
+        debug: bool = False,
+        fresh: bool = False,
         mtbf_s: float | None = None,
         every_max: int = 1000,
         **durable: Any,
@@ -77,7 +94,8 @@ class Manager:
         extra: dict[str, Any] = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
         self.config = ManagerConfig(
             job=job, every=every, keep=keep, replicas=replicas, store_dir=store_dir, timeout=timeout,
-            events_dir=events_dir, rng=rng, verbose=verbose, mtbf_s=mtbf_s, every_max=every_max,
+            events_dir=events_dir, rng=rng, verbose=verbose, debug=debug, fresh=fresh, mtbf_s=mtbf_s,
+            every_max=every_max,
             **extra, **durable,
         )
         # every="auto": the interval policy (pure) and what feeds it (see _auto_save).
@@ -89,6 +107,10 @@ class Manager:
         self._durable_mark = 0  # auto: the step of the last durable upload decided
         check_state(state)
         self.state = dict(state)
+        # name -> kind (sharded / per_rank / replicated), learnt at the first state dict; the
+        # engine writes it into each manifest
+        self._kinds: dict[str, str] = {}
+        self._restore_called = False
         self.node = node_id()
         self.durable_store = open_store(self.config.durable) if self.config.durable else None
         self.group = Group(new_snapshot_group(self.config.timeout))
@@ -118,7 +140,9 @@ class Manager:
             upload_filter=self._upload_due if self.durable_store is not None else None,
             on_commit=self._submit_upload,
             extra_snapshots=self.config.durable_max_pending + 1 if self.durable_store else 0,
+            state_kinds=self._kinds,
         )
+        self._existing = self._find_existing()
         self.uploader: Uploader | None = None
         self._last_upload_t = time.monotonic()
         self._upload_owed = False  # a due upload was skipped (backlog): catch up when it drains
@@ -147,13 +171,40 @@ class Manager:
     def _rng_key(self, rank: int) -> str:
         return f"rank{rank:05d}"
 
+    def _kind(self, name: str, obj: Any, sd: Any) -> str:
+        kind = self._kinds.get(name)
+        if kind is None:
+            kind = self._kinds[name] = state_kind(obj, sd)
+        return kind
+
     def _state_dict(self, manifest: Manifest | None = None) -> dict[str, Any]:
-        """The nested state dict that DCP saves or loads into (``manifest``: for a restore)."""
+        """The nested state dict that DCP saves or loads into (``manifest``: for a restore).
+
+        Per-rank entries live under ``per_rank.rankNNNNN.<name>`` (RNG under
+        ``rng.rankNNNNN``): keys no other rank has, so DCP keeps every rank's copy. Restoring
+        into another world size, an entry with a reshard function loads every old rank's state
+        (templates built from the manifest); see :func:`aegis.per_rank`.
+        """
         if manifest is not None:
             for obj in self.state.values():
                 if isinstance(obj, ModelOptimizerState):
                     obj.prepare_for_load()
-        sd: dict[str, Any] = {_APP: {name: obj.state_dict() for name, obj in self.state.items()}}
+        app: dict[str, Any] = {}
+        mine: dict[str, Any] = {}
+        for name, obj in self.state.items():
+            osd = obj.state_dict()
+            if self._kind(name, obj, osd) == "per_rank":
+                mine[name] = osd
+            else:
+                app[name] = osd
+        sd: dict[str, Any] = {_APP: app}
+        if manifest is None:
+            if mine:
+                sd[_PER_RANK] = {self._rng_key(self.rank): mine}
+            if self.config.debug:
+                self._check_replicated(app)
+        elif mine:
+            sd[_PER_RANK] = self._per_rank_targets(mine, manifest)
         if self.config.rng:
             key = self._rng_key(self.rank)
             # On restore, a rank that did not exist when the snapshot was taken keeps its RNG.
@@ -161,12 +212,139 @@ class Manager:
                 sd[_RNG] = {key: rng_state()}
         return sd
 
+    def _resharder(self, name: str) -> Reshard | str:
+        obj = self.state[name]
+        if isinstance(obj, PerRank):
+            return obj.resharder() or str(obj.on_reshard)
+        return _hook(obj) or "error"
+
+    def _per_rank_targets(self, mine: dict[str, Any], m: Manifest) -> dict[str, Any]:
+        """What this rank loads of the per-rank entries of snapshot ``m``."""
+        if m.world_size == self.world:
+            return {self._rng_key(self.rank): mine}
+        stuck = [n for n in mine if m.state_kinds.get(n) == "per_rank" and self._resharder(n) == "error"]
+        if stuck:
+            raise PerRankStateError(
+                f"per-rank state {stuck} was saved by {m.world_size} rank(s) at step {m.step} and "
+                f"this job has {self.world}: each rank's state has no owner in the new world. Give "
+                "the object a reshard_state_dicts(states, rank, world_size) method, or wrap it with "
+                "aegis.per_rank(obj, on_reshard=fn) to compute each new rank's state from all old "
+                "ones, or on_reshard='fresh' to start it over; declare it aegis.replicated(obj) "
+                f"if it is the same on every rank; or restart with {m.world_size} rank(s)"
+            )
+        out: dict[str, Any] = {}
+        for name in mine:
+            if callable(self._resharder(name)):
+                for k in range(m.world_size):
+                    out.setdefault(self._rng_key(k), {})[name] = {}
+        # Templates from the manifest: DCP names each flattened key by its path (planner_data),
+        # and loads into tensors of the saved dtype and shape (byte items need no template).
+        root: dict[str, Any] = {_PER_RANK: out}
+        for fqn, path in m.planner_data.items():
+            if len(path) > 3 and path[0] == _PER_RANK and path[2] in out.get(str(path[1]), {}):
+                entry = m.entries[fqn]
+                value = (torch.empty(entry.size, dtype=dtype_from_name(entry.dtype))
+                         if isinstance(entry, TensorEntry) else None)
+                set_element(root, path, value)
+        return out
+
+    def _check_replicated(self, app: dict[str, Any]) -> None:
+        """debug=True: every replicated entry must be equal on every rank."""
+        names = [n for n in app if self._kinds.get(n) == "replicated"]
+        if not names:
+            return
+        digests = []
+        for name in names:
+            flat, _ = flatten_state_dict(app[name])
+            crc = 0
+            for key in sorted(flat):
+                v = flat[key]
+                data = (v.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+                        if isinstance(v, torch.Tensor) else pickle.dumps(v))
+                crc = crc32c.crc32c(key.encode() + data, crc)
+            digests.append(crc)
+        every = self.group.all_gather(digests, "replicated check")
+        differ = [n for i, n in enumerate(names) if len({d[i] for d in every}) > 1]
+        if differ:
+            raise StateMismatchError(
+                f"entries {differ} are declared replicated but differ between ranks (debug=True "
+                "check); declare them aegis.per_rank(...) or make every rank hold the same state"
+            )
+
+    def _check_restore(self, sd: dict[str, Any], m: Manifest) -> None:
+        """Before anything is loaded: the snapshot has this state's entries, of the same kinds,
+        with the same keys (this rank's own per-rank keys when the world size is the same)."""
+        theirs = dict(m.state_kinds)
+        missing = sorted(set(self.state) - set(theirs))
+        unexpected = sorted(set(theirs) - set(self.state))
+        changed = [f"{n!r} saved {theirs[n]}, declared {self._kinds[n]}" for n in self.state
+                   if n in theirs and n in self._kinds and theirs[n] != self._kinds[n]]
+        if missing or unexpected or changed:
+            parts = ([f"missing from the snapshot: {missing}"] if missing else []) + (
+                [f"unexpected (in the snapshot, not in this state): {unexpected}"] if unexpected else []
+            ) + ([f"declared differently: {'; '.join(changed)}"] if changed else [])
+            raise StateMismatchError(
+                f"the state does not match the snapshot of step {m.step}: {'; '.join(parts)}. Build "
+                "the same state names, declared the same way (per_rank/replicated), as the run that "
+                "saved it, or use another job"
+            )
+        check_keys(sd, m, include=lambda k: not k.startswith((f"{_RNG}.", f"{_PER_RANK}.")))
+        if m.world_size == self.world:
+            own = f"{_PER_RANK}.{self._rng_key(self.rank)}."
+            check_keys(sd, m, include=lambda k: k.startswith(own))
+
     def _apply(self, sd: dict[str, Any], manifest: Manifest) -> None:
+        per = sd.get(_PER_RANK, {})
+        fresh = []
         for name, obj in self.state.items():
-            obj.load_state_dict(sd[_APP][name])
+            if self._kinds.get(name) != "per_rank":
+                obj.load_state_dict(sd[_APP][name])
+            elif manifest.world_size == self.world:
+                obj.load_state_dict(per[self._rng_key(self.rank)][name])
+            else:
+                fn = self._resharder(name)
+                if callable(fn):
+                    states = [per[self._rng_key(k)][name] for k in range(manifest.world_size)]
+                    obj.load_state_dict(fn(states, self.rank, self.world))
+                else:
+                    fresh.append(name)
+        if fresh:
+            self.events.warn(
+                f"per-rank state {fresh} not restored: saved by {manifest.world_size} rank(s), "
+                f"loaded by {self.world}; on_reshard='fresh', so it starts over"
+            )
         rng = sd.get(_RNG, {}).get(self._rng_key(self.rank))
         if rng is not None:
             set_rng_state(rng)
+
+    def _find_existing(self) -> int:
+        """The newest committed step of this job on any node store or the durable tier (0: none);
+        with ``fresh=True`` the node stores' snapshots are removed first. Collective."""
+        local = -1
+        if self.engine.is_leader:
+            steps = [i.step for i in self.store.steps() if i.committed]
+            if self.config.fresh:
+                for i in self.store.steps():
+                    self.store.remove_step(i.step)
+            local = max(steps, default=0)
+        durable = 0
+        if self.durable_store is not None and self.rank == 0:
+            try:
+                durable = max(list_steps(self.durable_store, self.config.job)[0], default=0)
+            except Exception:  # noqa: BLE001 - the start check already reached the store
+                durable = 0
+        newest, newest_durable = self.group.all_reduce_max([local, durable], "existing snapshots")
+        if self.config.fresh and newest_durable > 0:
+            raise ConfigError(
+                f"fresh=True, but the durable tier {self.durable_store.url if self.durable_store else ''}"
+                f" holds committed snapshots of job {self.config.job!r} up to step {newest_durable}, "
+                "which a later restore() would go back to: use a new job name, or remove them "
+                "first (aegis prune)"
+            )
+        if self.config.fresh and newest > 0:
+            self.events.say(f"fresh=True: removed this job's snapshots up to step {newest} from the node stores")
+            return 0
+        return max(newest, newest_durable)
 
     # -- contract ------------------------------------------------------------------------------
 
@@ -187,10 +365,11 @@ class Manager:
             node=self.node,
             nodes=self.engine.nodes,
             make_state=self._state_dict,
+            check_state=self._check_restore,
             apply_state=self._apply,
             is_leader=self.engine.is_leader,
-            rank_prefix=f"{_RNG}.",
         )
+        self._restore_called = True
         self.last_restore = result
         if result is None:
             self.engine.adopt_committed([])
@@ -244,7 +423,16 @@ class Manager:
         """
         self._check_open()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise AegisError(f"save(step={step!r}): step must be a non-negative integer")
+            raise StepOrderError(f"save(step={step!r}): step must be a non-negative integer")
+        if self._existing and not self._restore_called:
+            # Same answer on every rank (gathered when the Manager started).
+            raise StepOrderError(
+                f"save({step}): job {self.config.job!r} already has committed snapshots up to step "
+                f"{self._existing}, and this Manager did not call restore(): the next restore would "
+                f"go back to step {self._existing} and drop the steps saved now. Call restore() "
+                "before the first save(), or pass Manager(..., fresh=True) to start the job over, "
+                "or use a new job name (one per experiment)"
+            )
         if self._auto is not None:
             return self._auto_save(step)
         assert isinstance(self.config.every, int)

@@ -33,13 +33,27 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from aegis import _fault, errors
 from aegis._dist import Group
-from aegis.errors import AegisError, CorruptShardError, ManifestError, StateMismatchError
+from aegis.errors import (
+    AegisError,
+    CorruptShardError,
+    IncompatibleSnapshotError,
+    ManifestError,
+    StateMismatchError,
+)
 from aegis.snapshot.dcp_io import SafeLoadPlanner, ShardReader
 from aegis.snapshot.durable import fetch_chunks, list_steps, read_manifest
 from aegis.snapshot.manifest import ChunkRecord, Manifest
 from aegis.snapshot.node_store import NodeStore, Slot
 from aegis.snapshot.objstore import ObjectStore
-from aegis.snapshot.shard import check_blob, chunks_for_ranges, verify_chunks
+from aegis.snapshot.shard import (
+    FOOTER_SIZE,
+    check_blob,
+    check_index_matches,
+    chunks_for_ranges,
+    decode_footer,
+    decode_index,
+    verify_chunks,
+)
 from aegis.snapshot.transport import Recv, Send, Transport
 
 __all__ = ["RestoreResult", "restore_newest", "check_keys"]
@@ -56,11 +70,13 @@ class RestoreResult:
     skipped: list[str] = field(default_factory=list)
 
 
-def check_keys(state_dict: dict[str, Any], manifest: Manifest, *, ignore_prefix: str) -> None:
-    """Raise StateMismatchError naming missing and unexpected keys."""
+def check_keys(state_dict: dict[str, Any], manifest: Manifest, *,
+               include: Callable[[str], bool] = lambda k: True) -> None:
+    """Raise StateMismatchError naming missing and unexpected keys (among those ``include``
+    accepts)."""
     flat, _ = flatten_state_dict(state_dict)
-    mine = {k for k in flat if not k.startswith(ignore_prefix)}
-    theirs = {k for k in manifest.entries if not k.startswith(ignore_prefix)}
+    mine = {k for k in flat if include(k)}
+    theirs = {k for k in manifest.entries if include(k)}
     missing = sorted(mine - theirs)
     unexpected = sorted(theirs - mine)
     if missing or unexpected:
@@ -90,12 +106,25 @@ class _StepInv:
     shards: tuple[int, ...]
 
 
-def _inventory(store: NodeStore) -> dict[int, _StepInv]:
+def _inventory(store: NodeStore) -> tuple[dict[int, _StepInv], list[str]]:
+    """What this node holds, and the steps whose manifest is damaged here (skipped: treated as
+    not committed on this node, its shards still usable against another node's manifest).
+    A manifest of another job or format is no damage: it raises."""
     out = {}
+    notes = []
     for info in store.steps():
-        world = store.read_manifest(info.step).world_size if info.committed else None
-        out[info.step] = _StepInv(info.committed, world, info.shard_ranks)
-    return out
+        world = None
+        committed = info.committed
+        if committed:
+            try:
+                world = store.read_manifest(info.step).world_size
+            except IncompatibleSnapshotError:
+                raise
+            except ManifestError as e:
+                committed = False
+                notes.append(f"step {info.step}: manifest on node store {store.dir} skipped: {e}")
+        out[info.step] = _StepInv(committed, world, info.shard_ranks)
+    return out, notes
 
 
 def _choose(invs: dict[str, dict[int, _StepInv]], bad: set[int], durable_steps: list[int]
@@ -133,11 +162,15 @@ def restore_newest(
     nodes: list[str],
     is_leader: bool,
     make_state: Callable[[Manifest], dict[str, Any]],
+    check_state: Callable[[dict[str, Any], Manifest], None],
     apply_state: Callable[[dict[str, Any], Manifest], None],
-    rank_prefix: str,
     durable: ObjectStore | None = None,
 ) -> RestoreResult | None:
-    """Restore the newest complete, verified committed step; None when there is none at all."""
+    """Restore the newest complete, verified committed step; None when there is none at all.
+
+    ``make_state(manifest)`` builds the state dict DCP loads into, ``check_state`` raises if it
+    does not fit the snapshot (both run on every rank, errors raised on all of them), and
+    ``apply_state`` puts the loaded values into the live objects."""
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
 
@@ -153,7 +186,7 @@ def restore_newest(
     try:
         if is_leader:
             local = ("ok", _inventory(store))
-    except AegisError as e:  # a manifest of another job / newer format: fatal, never guessed past
+    except AegisError as e:  # a manifest of another job / format: fatal, never guessed past
         local = ("error", (type(e).__name__, str(e)))
     if durable is not None and group.rank == 0:
         try:
@@ -163,15 +196,16 @@ def restore_newest(
     gathered = group.all_gather((node, local, (durable_local, durable_note)), "restore inventory")
     invs: dict[str, dict[int, _StepInv]] = {}
     durable_steps, note = gathered[0][2]
+    skipped: list[str] = [note] if note else []
     for n, (kind, payload), _ in gathered:
         if kind == "error":
             cls = getattr(errors, payload[0], AegisError)
             raise cls(payload[1])
         if payload is not None:
-            invs[n] = payload
+            invs[n] = payload[0]
+            skipped.extend(x for x in payload[1] if x not in skipped)
     t = lap("inventory_s", t0)
 
-    skipped: list[str] = [note] if note else []
     bad: set[int] = set()
     ranks_of = {n: [r for r, x in enumerate(nodes) if x == n] for n in dict.fromkeys(nodes)}
     while True:
@@ -196,16 +230,19 @@ def restore_newest(
             if group.rank == 0:
                 try:
                     outcome_d = ("ok", read_manifest(durable, store.job, step))  # type: ignore[arg-type]
-                except ManifestError as e:  # another job's, a newer format: fatal, never guessed past
+                except IncompatibleSnapshotError as e:  # a newer format: fatal, never guessed past
                     outcome_d = ("error", (type(e).__name__, str(e)))
+                except ManifestError as e:  # damaged: the memory tier or an older step may serve
+                    outcome_d = ("skip", f"step {step}: durable manifest skipped: {e}")
                 except Exception as e:  # noqa: BLE001 - unreadable now: try an older step
                     outcome_d = ("skip", f"step {step}: durable manifest unreadable: {type(e).__name__}: {e}")
             kind, payload = group.broadcast(outcome_d, "restore durable manifest")
             if kind == "error":
                 raise getattr(errors, payload[0], AegisError)(payload[1])
             if kind == "skip":
+                # the same step may still be whole in memory; else an older one is chosen
                 skipped.append(payload)
-                bad.add(step)
+                durable_steps = [x for x in durable_steps if x != step]
                 continue
             durable_manifest = manifest = payload
         else:
@@ -216,9 +253,16 @@ def restore_newest(
         _fault.hit("restore", step, group.rank)
         t = lap("decide_s", t)
         # 3. what every node needs, from each rank's local DCP load plan
-        state_dict = make_state(manifest)
+        box: dict[str, dict[str, Any]] = {}
+
+        def build(m: Manifest = manifest) -> None:
+            box["sd"] = make_state(m)
+
+        group.run_all("restore state", build)
+        state_dict = box["sd"]
+
         def key_check(sd: dict[str, Any] = state_dict, m: Manifest = manifest) -> None:
-            check_keys(sd, m, ignore_prefix=rank_prefix)
+            check_state(sd, m)
 
         def plan_needs(sd: dict[str, Any] = state_dict, m: Manifest = manifest
                        ) -> tuple[str, dict[int, set[int]]]:
@@ -404,16 +448,35 @@ def _fixed(view: torch.Tensor) -> Callable[[list[int]], list[torch.Tensor]]:
     return lambda sizes: [view]
 
 
-def _runs(chunks: list[ChunkRecord], ids: set[int]) -> list[tuple[int, int]]:
-    """Byte ranges [start, end) covering the chunks ``ids``, contiguous chunks merged."""
+def _runs(chunks: list[ChunkRecord], ids: set[int], *, size: int | None = None) -> list[tuple[int, int]]:
+    """Byte ranges [start, end) covering the chunks ``ids``, contiguous chunks merged; with
+    ``size`` (the shard's size) also the index and footer after the last chunk."""
+    spans = [(chunks[i].offset, chunks[i].offset + chunks[i].length) for i in sorted(ids)]
+    if size is not None:
+        spans.append((chunks[-1].offset + chunks[-1].length if chunks else 0, size))
     out: list[tuple[int, int]] = []
-    for i in sorted(ids):
-        a, b = chunks[i].offset, chunks[i].offset + chunks[i].length
+    for a, b in spans:
         if out and out[-1][1] == a:
             out[-1] = (out[-1][0], b)
         else:
             out.append((a, b))
     return out
+
+
+def _check_partial(mem: memoryview, rec: Any, step: int, ids: set[int], where: str) -> None:
+    """A partial copy: the chunks it holds, and its own index, which must match the manifest."""
+    verify_chunks(mem, rec.chunks, step=step, rank=rec.rank, where=where, only=ids)
+    size = len(mem)
+    try:
+        start, icrc = decode_footer(bytes(mem[size - FOOTER_SIZE:]), size=size, where=where)
+        index = decode_index(bytes(mem[start:size - FOOTER_SIZE]), crc=icrc, size=size, where=where)
+    except ManifestError as e:
+        raise CorruptShardError(f"shard of rank {rec.rank} at step {step}: {e}", step=step,
+                                rank=rec.rank, where=where) from e
+    if icrc != rec.index_crc32c:
+        raise CorruptShardError(f"copy of the shard of rank {rec.rank} from {where} does not match "
+                                "the manifest (index crc32c differs)", step=step, rank=rec.rank, where=where)
+    check_index_matches(index, rec, step=step, where=where)
 
 
 def _run_transfers(
@@ -435,14 +498,22 @@ def _run_transfers(
     for s, src, dst, ids in transfers:
         sender, receiver = worker(src, s), worker(dst, s)
         rec = manifest.shard(s)
-        runs = [(0, rec.size)] if ids is None else _runs(list(rec.chunks), ids)
+        runs = [(0, rec.size)] if ids is None else _runs(list(rec.chunks), ids, size=rec.size)
         if sender == receiver:
             raise AegisError("internal: a node fetching from itself")
         if sender == group.rank:
-            with open(store.shard_path(step, s), "rb") as f:
-                m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-            opened.append(m)
-            whole = torch.frombuffer(m, dtype=torch.uint8)
+            try:
+                with open(store.shard_path(step, s), "rb") as f:
+                    size = os.fstat(f.fileno()).st_size
+                    if size != rec.size:
+                        raise ValueError(f"{size} bytes, the manifest says {rec.size}")
+                    m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                opened.append(m)
+                whole = torch.frombuffer(m, dtype=torch.uint8)
+            except (OSError, ValueError):
+                # The receiver has posted its receives: send as many bytes, which its checks
+                # then reject, so it moves on to the next source instead of waiting out a timeout.
+                whole = torch.zeros(rec.size, dtype=torch.uint8)
             sends.extend(Send(receiver, [whole[a:b]]) for a, b in runs)
         if receiver == group.rank:
             store.step_dir(step).mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -475,16 +546,18 @@ def _run_transfers(
         try:
             with slot.memory as mem:
                 if ids is None:
-                    _, icrc = check_blob(mem, step=step, rank=s, where=where)
+                    index, icrc = check_blob(mem, step=step, rank=s, where=where)
                     if icrc != rec.index_crc32c:
                         raise CorruptShardError(f"copy of the shard of rank {s} from node {src!r} "
                                                 "does not match the manifest", step=step, rank=s)
+                    check_index_matches(index, rec, step=step, where=where)
                 else:
-                    verify_chunks(mem, rec.chunks, step=step, rank=s, where=where, only=ids)
+                    _check_partial(mem, rec, step, ids, where)
         except CorruptShardError as e:
             err = str(e)
         slot.close()
-        nbytes = sum(b - a for a, b in ([(0, rec.size)] if ids is None else _runs(list(rec.chunks), ids)))
+        nbytes = sum(b - a for a, b in ([(0, rec.size)] if ids is None
+                                        else _runs(list(rec.chunks), ids, size=rec.size)))
         if err is None and ids is None:
             os.replace(slot.path, store.shard_path(step, s))
         elif err is not None:

@@ -5,12 +5,26 @@ The Manager's state is a mapping name -> object. An object is either a
 ``get_state_dict``/``set_state_dict``) or anything with ``state_dict()`` and
 ``load_state_dict()`` (LR scheduler, data sampler, user extras). RNG states of every rank are
 added by the Manager itself (see :func:`rng_state`).
+
+Each entry has a *kind* (recorded in the manifest):
+
+* ``sharded``: a :class:`ModelOptimizerState`, or an object whose state dict holds DTensors.
+  DCP saves global tensors chunked by rank and reshards them on load.
+* ``per_rank`` (the default for everything else): every rank's own ``state_dict()`` is stored
+  under its rank and given back to the same rank. A data sampler, a dataloader, a per-rank
+  counter: their states differ by rank, and DCP alone would keep one rank's copy for all
+  (it de-duplicates same-key items). When the world size changes there is no obvious owner for
+  each state; see :func:`per_rank` for what happens then.
+* ``replicated``: declared with :func:`replicated`, and torch's LR schedulers by default (every
+  rank steps them alike): the same on every rank, saved once, loaded by every rank (checked
+  equal across ranks at each snapshot with ``Manager(debug=True)``). ``per_rank(scheduler)``
+  overrides the default.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -24,7 +38,19 @@ from torch.distributed.checkpoint.state_dict import (
 
 from aegis.errors import ConfigError
 
-__all__ = ["ModelOptimizerState", "rng_state", "set_rng_state", "check_state"]
+__all__ = [
+    "ModelOptimizerState",
+    "PerRank",
+    "Replicated",
+    "per_rank",
+    "replicated",
+    "state_kind",
+    "rng_state",
+    "set_rng_state",
+    "check_state",
+]
+
+Reshard = Callable[[Sequence[Mapping[str, Any]], int, int], Mapping[str, Any]]
 
 
 def _scalar_dtype() -> torch.dtype:
@@ -104,6 +130,102 @@ class ModelOptimizerState:
         )
 
 
+class _Wrapper:
+    """Delegates ``state_dict``/``load_state_dict`` to the wrapped object."""
+
+    def __init__(self, obj: Any) -> None:
+        if isinstance(obj, _Wrapper):
+            raise ConfigError(f"{type(obj).__name__} is already declared; declare an entry once")
+        if isinstance(obj, ModelOptimizerState):
+            raise ConfigError(
+                "ModelOptimizerState is sharded through DCP; per_rank()/replicated() are for other state"
+            )
+        self.obj = obj
+
+    def state_dict(self) -> Any:
+        return self.obj.state_dict()
+
+    def load_state_dict(self, state: Any) -> None:
+        self.obj.load_state_dict(state)
+
+
+class Replicated(_Wrapper):
+    """An entry whose state is the same on every rank: saved once, loaded by every rank."""
+
+
+class PerRank(_Wrapper):
+    """An entry whose state differs by rank, with what to do when the world size changes."""
+
+    def __init__(self, obj: Any, on_reshard: str | Reshard = "error") -> None:
+        super().__init__(obj)
+        if not (callable(on_reshard) or on_reshard in ("error", "fresh")):
+            raise ConfigError(
+                f"per_rank(on_reshard={on_reshard!r}): use 'error', 'fresh', or a function "
+                "(states, rank, world_size) -> state_dict"
+            )
+        self.on_reshard = on_reshard
+
+    def resharder(self) -> Reshard | None:
+        if callable(self.on_reshard):
+            return self.on_reshard
+        return _hook(self.obj)
+
+
+def _hook(obj: Any) -> Reshard | None:
+    fn = getattr(obj, "reshard_state_dicts", None)
+    return fn if callable(fn) else None
+
+
+def replicated(obj: Any) -> Replicated:
+    """Declare a state entry the same on every rank (an LR scheduler, a global step counter):
+    it is saved once instead of once per rank, and every rank loads that copy. With
+    ``Manager(debug=True)`` every snapshot checks that the ranks agree."""
+    return Replicated(obj)
+
+
+def per_rank(obj: Any, *, on_reshard: str | Reshard = "error") -> PerRank:
+    """Declare a state entry per rank (the default for objects that are not model state) and say
+    what a restore into a different world size does with it:
+
+    * a function ``(states, rank, world_size) -> state_dict``, or a method
+      ``obj.reshard_state_dicts(states, rank, world_size)``: called with the state dicts of every
+      rank of the snapshot (in rank order); its result is given to ``load_state_dict``. A sampler
+      can recompute each new rank's position from the global sample count.
+    * ``"error"`` (default, when the object has no such method): the restore raises
+      :class:`~aegis.errors.PerRankStateError` naming the entry and both world sizes, before
+      anything is loaded.
+    * ``"fresh"``: the entry keeps the state it has now (it starts fresh), with a warning.
+    """
+    return PerRank(obj, on_reshard)
+
+
+def state_kind(obj: Any, state_dict: Mapping[str, Any] | None = None) -> str:
+    """``sharded``, ``per_rank`` or ``replicated`` (see the module docstring)."""
+    if isinstance(obj, ModelOptimizerState):
+        return "sharded"
+    if isinstance(obj, Replicated):
+        return "replicated"
+    if isinstance(obj, PerRank):
+        return "per_rank"
+    if isinstance(obj, (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)):
+        return "replicated"  # stepped identically on every rank of an SPMD job
+    if state_dict is not None and _holds_dtensor(state_dict):
+        return "sharded"
+    return "per_rank"
+
+
+def _holds_dtensor(value: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        return True
+    if isinstance(value, Mapping):
+        return any(_holds_dtensor(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_dtensor(v) for v in value)
+    return False
+
+
 def check_state(state: Mapping[str, Any]) -> None:
     """Reject a state mapping the Manager cannot snapshot, before any training time is spent."""
     if not isinstance(state, Mapping) or not state:
@@ -118,6 +240,8 @@ def check_state(state: Mapping[str, Any]) -> None:
             )
         if isinstance(obj, ModelOptimizerState):
             continue
+        if isinstance(obj, _Wrapper):
+            obj = obj.obj
         if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
             raise ConfigError(
                 f"state[{name!r}] ({type(obj).__name__}) has no state_dict()/load_state_dict(); "
