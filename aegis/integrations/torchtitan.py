@@ -238,7 +238,7 @@ class AegisCheckpointManager(BaseCheckpointManager):
                              "rename them in the trainer's states dict")
         entries: dict[str, Any] = {}
         for name, obj in self.states.items():
-            if name in config.exclude_from_loading or name == OPTIMIZER:
+            if name in config.exclude_from_loading:
                 obj = _NoLoad(obj)
             entries[name] = replicated(obj) if name in _REPLICATED or name in states else obj
         self.manager = Manager(config.job, entries, **config.manager_kwargs())
