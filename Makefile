@@ -6,6 +6,12 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 export OMP_NUM_THREADS ?= 1
 
+# tests/test_torchtitan.py: torchtitan and what it imports, without the Trainer's extras (wandb,
+# tensorboard, datasets: they would pin fsspec below the bench extra's s3fs). triton only because
+# torchtitan's model package imports it; nothing here replaces the CPU torch above.
+TITAN_TEST_DEPS := torchdata==0.11.0 tyro==1.0.17 spmd_types==0.2.3 einops==0.8.2
+TITAN_TEST_NODEPS := torchtitan==0.3.0 triton==3.9.0
+
 .PHONY: venv demo test chaos lint bench goodput clean
 
 $(STAMP): pyproject.toml
@@ -13,6 +19,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -m pip install -q $(TITAN_TEST_DEPS)
+	$(BIN)/python -m pip install -q --no-deps $(TITAN_TEST_NODEPS)
 	touch $(STAMP)
 
 venv: $(STAMP)
