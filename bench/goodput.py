@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import statistics
 import sys
@@ -241,6 +242,29 @@ def predict(arm: dict[str, Any], failures: int, *, events_only: bool = False) ->
             "recompute": w.recompute, "restart": w.restart, "plan_goodput_at_its_optimum": at_optimum}
 
 
+def command_line(argv: Sequence[str]) -> str:
+    """The command that ran, relative to the repository: a result names no path of the machine
+    it ran on (the project's venv interpreter as ``.venv/bin/python``, another one by name)."""
+    exe = Path(sys.executable)
+    py = str(exe.relative_to(ROOT)) if exe.is_relative_to(ROOT) else exe.name
+    return shlex.join([py, "bench/goodput.py", *argv])
+
+
+def portable_command(cmd: str) -> str:
+    """``cmd`` with absolute paths into a repository (``/x/.venv/bin/python``,
+    ``/x/bench/goodput.py``) made relative to it, for results recorded before
+    :func:`command_line`."""
+    out = []
+    for part in shlex.split(cmd):
+        if os.path.isabs(part):
+            for marker in ("/.venv/", "/bench/"):
+                if marker in part:
+                    part = part[part.rindex(marker) + 1:]
+                    break
+        out.append(part)
+    return shlex.join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--mtbf", type=float, default=45.0, help="seconds between node losses")
@@ -267,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="aegis-bench-goodput-"))
     doc: dict[str, Any] = {
-        "bench": "goodput", "command": " ".join([sys.executable, *sys.argv]), "argv": sys.argv[1:],
+        "bench": "goodput", "command": command_line(sys.argv[1:] if argv is None else argv), "argv": sys.argv[1:],
         "args": vars(args), "machine": machine_basics(), "git": git_info(), "started": t0,
         "loadavg_1m": {"start": os.getloadavg()[0]},
     }
@@ -346,7 +370,7 @@ def render(doc: dict[str, Any]) -> str:
                        f"{x['restart']:.1%} | {x['effective']:.1%} | {extra} |")
     m = doc["machine"]
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(doc["started"]))
-    out += ["", f"`{doc['command']}` ({started}, {doc['wall_s'] / 60:.1f} min; {m['cpu_count']} cores, "
+    out += ["", f"`{portable_command(doc['command'])}` ({started}, {doc['wall_s'] / 60:.1f} min; {m['cpu_count']} cores, "
             f"{m['MemTotal_kib'] / 2**20:.0f} GiB; load {doc['loadavg_1m']['start']:.2f} at the start); "
             "data: [bench/results/goodput.json](bench/results/goodput.json)"]
     return "\n".join(out) + "\n"
