@@ -154,11 +154,11 @@ class AegisCheckpointManager(BaseCheckpointManager):
                 raise _bad("job", self.job, "name the job (e.g. job='llama3-8b'); a restart with "
                            "the same name resumes from its snapshots")
             if self.every is None:
-                self.every = self.interval
+                self.every = self.interval  # type: ignore[has-type]  # torchtitan's slots
             elif isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
                 raise _bad("every", self.every, "an integer >= 1 (snapshot every N steps)")
             else:
-                self.interval = self.every
+                self.interval = self.every  # type: ignore[misc]  # inherited slot: mypy misreads it
             for name in ("keep", "durable_every"):
                 v = getattr(self, name)
                 if isinstance(v, bool) or not isinstance(v, int) or v < 1:
