@@ -10,6 +10,7 @@ through :meth:`Group.run_all` catches each rank's exception, gathers them, and r
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -63,13 +64,22 @@ def _is_timeout(e: BaseException) -> bool:
     return "timed out" in text or "timeout" in text
 
 
+def _default_store() -> Any:
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no store: the timeout message names no ranks
+        return None
+
+
 class Group:
     def __init__(self, pg: dist.ProcessGroup | None) -> None:
         self.pg = pg
         self.rank = dist.get_rank(pg) if pg is not None else 0
         self.world = dist.get_world_size(pg) if pg is not None else 1
+        self._seq = 0  # collectives called on this group; the same on every rank that keeps up
 
     def _guard(self, what: str, fn: Callable[[], T]) -> T:
+        self._seq += 1
         try:
             return fn()
         except AegisError:
@@ -78,9 +88,36 @@ class Group:
             if _is_timeout(e):
                 raise SnapshotTimeoutError(
                     f"aegis {what}: a peer did not answer within the snapshot timeout ({e}); "
-                    "it is frozen or dead"
+                    + self._who_arrived(what)
                 ) from e
             raise AegisError(f"aegis {what}: collective failed ({e}); a peer is likely gone") from e
+
+    def _who_arrived(self, what: str, wait_s: float = 1.0) -> str:
+        """After a timeout: which ranks were waiting at this same collective. Each rank that
+        times out here says so through the job's store and looks for the others for
+        ``wait_s``: ranks that called it together time out together. Costs nothing unless a
+        collective times out."""
+        store = _default_store()
+        if store is None or self.pg is None or self.world > 4096:
+            return "it is frozen or dead, or did not call the same collective"
+        prefix = f"aegis/timeout/{getattr(self.pg, 'group_name', '')}/{self._seq}/{what}"
+        arrived: list[int] = []
+        try:
+            store.set(f"{prefix}/{self.rank}", "1")
+            deadline = time.monotonic() + wait_s
+            while True:
+                arrived = [r for r in range(self.world) if store.check([f"{prefix}/{r}"])]
+                if len(arrived) == self.world or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+        except Exception:  # noqa: BLE001 - the store may be gone with the peer
+            return "it is frozen or dead, or did not call the same collective"
+        missing = [r for r in range(self.world) if r not in arrived]
+        return (
+            f"rank(s) {arrived} of aegis' group waited at '{what}', rank(s) {missing} did not arrive: "
+            "they are frozen or dead, or did not call the same aegis method (every rank must call "
+            "save(step), restore() and close() together, with the same step)"
+        )
 
     def all_gather(self, obj: T, what: str = "all_gather") -> list[T]:
         if self.pg is None:

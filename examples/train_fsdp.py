@@ -534,17 +534,18 @@ def _train(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> 
     start = 0
     if not args.no_aegis:
         try:
-            from aegis import Manager, ModelOptimizerState
+            from aegis import Manager, ModelOptimizerState, replicated
         except ImportError:  # running from a checkout without the package installed
             sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-            from aegis import Manager, ModelOptimizerState
+            from aegis import Manager, ModelOptimizerState, replicated
 
         mgr = Manager(
             args.job,
             {
                 "model": ModelOptimizerState(model, optimizer),
                 "scheduler": scheduler,
-                "data": sampler,
+                # its position counts global batches: the same on every rank, at any world size
+                "data": replicated(sampler),
             },
             every=args.every,
             keep=args.keep,

@@ -234,16 +234,18 @@ def contract(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         saved = run_ranks(2, _save_both, str(store), str(tmp), timeout=120, env=ENV)
         exported = tmp / "exported"
         exported.mkdir()
-        cli = subprocess.run(
-            [sys.executable, "-m", "aegis", "export", str(store), str(exported / f"step-{SAVE_STEP}"),
-             "--format", "dcp", "--job", "contract", "--json"],
-            capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=120)
-        assert cli.returncode == 0, cli.stderr
-        assert json.loads(cli.stdout)["step"] == SAVE_STEP
+        plain = tmp / "plain"
+        for dest, layout in ((plain, []), (exported / f"step-{SAVE_STEP}", ["--layout", "torchtitan"])):
+            cli = subprocess.run(
+                [sys.executable, "-m", "aegis", "export", str(store), str(dest),
+                 "--format", "dcp", "--job", "contract", "--json", *layout],
+                capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=120)
+            assert cli.returncode == 0, cli.stderr
+            assert json.loads(cli.stdout)["step"] == SAVE_STEP
         from aegis.cli._dcp import read_dcp_metadata
 
-        aegis_keys = set(read_dcp_metadata(exported / f"step-{SAVE_STEP}").state_dict_metadata)
-        to_torchtitan_dcp(exported / f"step-{SAVE_STEP}")
+        aegis_keys = set(read_dcp_metadata(plain).state_dict_metadata)
+        assert to_torchtitan_dcp(plain) > 0  # the same renaming, after the fact
         titan_md = read_dcp_metadata(tmp / "ckpt" / f"step-{SAVE_STEP}")
         rekeyed_md = read_dcp_metadata(exported / f"step-{SAVE_STEP}")
         loaded = run_ranks(2, _load_all, str(store), str(tmp), timeout=180, env=ENV)

@@ -37,9 +37,12 @@ Fields are only ever added within a schema version. Sizes are bytes, times are U
 * ``aegis.inspect/1``: ``uri, tier, job, step, world_size, created, age_s, format_version, mesh,
   timings, shards: [{rank, node, size, chunks, raw_bytes, stored_bytes, replicas}] (DCP: [{file,
   size}]), entries: [{name, kind ("tensor" | "object"), dtype, shape, shards, bytes, value?}],
-  tensor?: {name, dtype, shape, numel, min, max, mean, norm, nan, inf}`` (``value`` only with
+  state_kinds: {state name: "sharded" | "per_rank" | "replicated"}`` (per_rank entries are keyed
+  ``per_rank.rankNNNNN.<name>``: one copy per rank; ``{}`` for DCP directories),
+  ``tensor?: {name, dtype, shape, numel, min, max, mean, norm, nan, inf}`` (``value`` only with
   --unsafe-load-objects: its ``repr``; ``tensor`` only with --tensor).
-* ``aegis.verify/1``: ``ok, steps: [{uri, tier, job, step, ok, chunks, bytes, failures}],
+* ``aegis.verify/1``: ``ok, checksums (false for a plain DCP directory: only presence and
+  sizes can be checked), steps: [{uri, tier, job, step, ok, chunks, bytes, failures}],
   failures: [{uri, tier, job, step, rank, chunk, error}]`` (``rank``/``chunk`` null when the
   failure is not one chunk's: a missing shard, an index, a manifest).
 * ``aegis.diff/1``: ``a: {uri, tier, job, step}, b: {...}, identical, counts: {unchanged,
@@ -235,6 +238,9 @@ def _summary_table(snap: Snapshot, summary: dict[str, Any]) -> Table:
         t.add_row("files", f"{len(shards)} ({fmt_bytes(sum(s['size'] or 0 for s in shards))})")
     n_t = sum(isinstance(e, TensorEntry) for e in snap.entries.values())
     t.add_row("entries", f"{n_t} tensors, {len(snap.entries) - n_t} objects")
+    kinds = summary.get("state_kinds") or {}
+    if kinds:  # per_rank entries are stored under per_rank.rankNNNNN.<name>, one copy per rank
+        t.add_row("state", ", ".join(f"{name} ({kind.replace('_', '-')})" for name, kind in kinds.items()))
     return t
 
 
@@ -308,7 +314,8 @@ def inspect_cmd(uri: str, step: int | None, tensor_name: str | None, job: str | 
         doc = {"schema": "aegis.inspect/1", **_snap_ref(snap), "world_size": summary["world_size"],
                "created": summary["created"], "age_s": _age(summary["created"]),
                "format_version": summary["format_version"], "mesh": summary["mesh"],
-               "timings": summary["timings"], "shards": summary["shards"], "entries": entries}
+               "timings": summary["timings"], "shards": summary["shards"], "entries": entries,
+               "state_kinds": summary.get("state_kinds") or {}}
         if stats is not None:
             doc["tensor"] = {k: json_number(v) if isinstance(v, float) else v for k, v in stats.items()}
         _emit_json(doc)
@@ -397,7 +404,7 @@ def verify_cmd(uri: str, step: int | None, all_steps: bool, job: str | None, as_
     ok = not failures
     if as_json:
         _emit_json({
-            "schema": "aegis.verify/1", "ok": ok,
+            "schema": "aegis.verify/1", "ok": ok, "checksums": src.tier != TIER_DCP,
             "steps": [{"uri": src.uri, "tier": src.tier, "job": src.job, "step": s, "ok": not r.failures,
                        "chunks": r.chunks, "bytes": r.bytes, "failures": len(r.failures)}
                       for s, r in results],
@@ -426,8 +433,8 @@ def verify_cmd(uri: str, step: int | None, all_steps: bool, job: str | None, as_
         click.echo(f"aegis: verify failed: {len(failures)} failure(s) in step(s) "
                    f"{', '.join(str(s) for s in bad_steps)} of {src.uri}", err=True)
     if src.tier == TIER_DCP:
-        click.echo("note: plain DCP checkpoints carry no checksums; checked that every item's bytes "
-                   "are present", err=True)
+        console.print("note: plain DCP checkpoints carry no checksums: verify checked that every "
+                      "item's bytes are present, and cannot detect flipped bytes", highlight=False)
     return EXIT_OK if ok else EXIT_FAILED
 
 
@@ -552,11 +559,14 @@ def diff_cmd(uris: tuple[str, ...], steps: tuple[int, ...], job: str | None, sho
                    "file of full (unsharded) tensors.")
 @click.option("--step", type=int, default=None, help="The step (default: the newest committed).")
 @click.option("--flat", is_flag=True, help="torch: flat 'a.b.c' keys instead of the nested state dict.")
+@click.option("--layout", type=click.Choice(["aegis", "torchtitan"]), default="aegis", show_default=True,
+              help="dcp: torchtitan names its keys as its own DCP checkpointer does (snapshots "
+                   "taken through aegis.integrations.torchtitan), so its loader reads the folder.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @job_option
 @unsafe_option
 @json_option
-def export_cmd(uri: str, out: Path, fmt: str, step: int | None, flat: bool, force: bool,
+def export_cmd(uri: str, out: Path, fmt: str, step: int | None, flat: bool, layout: str, force: bool,
                job: str | None, unsafe: bool, as_json: bool) -> int:
     """Write a snapshot for tools that have never heard of aegis: a plain DCP checkpoint that
     torch.distributed.checkpoint.load reads, or one torch / safetensors file of full tensors.
@@ -564,6 +574,8 @@ def export_cmd(uri: str, out: Path, fmt: str, step: int | None, flat: bool, forc
     --unsafe-load-objects; never into safetensors."""
     from aegis.cli._tensors import export_dcp, export_safetensors, export_torch
 
+    if layout != "aegis" and fmt != "dcp":
+        raise click.UsageError(f"--layout {layout} applies to --format dcp only")
     if (out.exists() or out.is_symlink()) and not force:
         raise CliError(f"{out} exists; pass --force to replace it")
     if not out.parent.is_dir():
@@ -588,6 +600,10 @@ def export_cmd(uri: str, out: Path, fmt: str, step: int | None, flat: bool, forc
             try:
                 if fmt == "dcp":
                     export_dcp(snap, out, progress=bar.advance)
+                    if layout == "torchtitan":
+                        from aegis.integrations.torchtitan import to_torchtitan_dcp
+
+                        to_torchtitan_dcp(out)
                     skipped: list[str] = []
                 elif fmt == "torch":
                     export_torch(snap, out, flat=flat, unpickle=unsafe, progress=bar.advance)

@@ -58,9 +58,11 @@ from aegis.snapshot.objstore import ObjectNotFound, ObjectStore, open_store
 from aegis.snapshot.retry import RetryPolicy
 from aegis.snapshot.shard import (
     FOOTER_SIZE,
+    check_index_matches,
     chunks_for_ranges,
     crc32c,
     decode_footer,
+    decode_index,
     verify_chunks,
 )
 
@@ -265,6 +267,7 @@ class _AegisSnapshot(Snapshot):
             "world_size": m.world_size,
             "created": m.created or None,
             "format_version": m.format_version,
+            "state_kinds": dict(m.state_kinds),
             "mesh": dict(m.mesh),
             "timings": dict(m.timings),
             "shards": [
@@ -389,13 +392,17 @@ class NodeStoreSource(Source):
                         progress(c.length)
                     if size >= FOOTER_SIZE:
                         try:
-                            _, icrc = decode_footer(m_[size - FOOTER_SIZE:], size=size, where=str(path))
+                            start, icrc = decode_footer(m_[size - FOOTER_SIZE:], size=size, where=str(path))
                             if icrc != rec.index_crc32c:
                                 res.failures.append(self._failure(
                                     step, rec.rank, None,
                                     f"shard index of rank {rec.rank} does not match the manifest "
                                     "(index crc32c differs)"))
-                        except ManifestError as e:
+                            else:  # the shard's own index must describe what the manifest says
+                                index = decode_index(m_[start:size - FOOTER_SIZE], crc=icrc, size=size,
+                                                     where=str(path))
+                                check_index_matches(index, rec, step=step, where=f"node store {self.uri}")
+                        except (ManifestError, CorruptShardError) as e:
                             res.failures.append(self._failure(step, rec.rank, None, str(e)))
                 finally:
                     m_.close()

@@ -4,6 +4,7 @@ with them: statistics, differences, exports."""
 from __future__ import annotations
 
 import contextlib
+import json
 import mmap
 import os
 import warnings
@@ -216,6 +217,9 @@ def export_safetensors(snap: Snapshot, out: Path, *, progress: Progress = _nop) 
     meta = {"format": "pt", "aegis.step": str(snap.step), "aegis.tier": snap.source.tier}
     if snap.job:
         meta["aegis.job"] = snap.job
+    kinds = _state_kinds(snap)
+    if kinds:  # which entries are per rank (keyed per_rank.rankNNNNN.<name>), as in the manifest
+        meta["aegis.state_kinds"] = json.dumps(kinds, sort_keys=True)
     tmp = _atomic_path(out)
     try:
         save_file({n: loaded.tensors[n].contiguous() for n in names}, str(tmp), metadata=meta)
@@ -276,4 +280,15 @@ def export_dcp(snap: Snapshot, out: Path, *, progress: Progress = _nop) -> int:
             for m in maps.values():
                 with contextlib.suppress(BufferError):
                     m.close()
+    kinds = _state_kinds(snap)
+    if kinds:  # beside DCP's own files, which dcp.load ignores: which entries are per rank
+        (out / STATE_KINDS_FILE).write_text(json.dumps({"state_kinds": kinds}, sort_keys=True) + "\n")
     return written
+
+
+STATE_KINDS_FILE = "aegis_state.json"
+
+
+def _state_kinds(snap: Snapshot) -> dict[str, str]:
+    m = getattr(snap, "manifest", None)
+    return dict(m.state_kinds) if m is not None else {}

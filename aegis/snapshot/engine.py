@@ -37,7 +37,13 @@ from torch.distributed.tensor import DTensor
 
 from aegis import _fault
 from aegis._dist import Group
-from aegis.errors import AegisError, CollectiveError, CorruptShardError, StepOrderError, StoreFullError
+from aegis.errors import (
+    AegisError,
+    CollectiveError,
+    CorruptShardError,
+    StepOrderError,
+    StoreFullError,
+)
 from aegis.snapshot.dcp_io import DEFAULT_CHUNK_BYTES, StagedShard, complete, stage
 from aegis.snapshot.manifest import BytesEntry, Manifest, ShardRecord, TensorEntry
 from aegis.snapshot.node_store import NodeStore, Slot

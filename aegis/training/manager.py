@@ -29,7 +29,13 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
 
 from aegis._dist import Group, new_snapshot_group, node_id
-from aegis.errors import AegisError, ConfigError, PerRankStateError, StateMismatchError, StepOrderError
+from aegis.errors import (
+    AegisError,
+    ConfigError,
+    PerRankStateError,
+    StateMismatchError,
+    StepOrderError,
+)
 from aegis.goodput import AutoInterval, daly_interval
 from aegis.snapshot.codec import Codec
 from aegis.snapshot.durable import Uploader, UploadResult, clean_uncommitted, list_steps
@@ -348,12 +354,16 @@ class Manager:
 
     # -- contract ------------------------------------------------------------------------------
 
-    def restore(self) -> int:
+    def restore(self, step: int | None = None) -> int:
         """Load the newest complete committed snapshot; return its step (0 when none).
 
         Collective. Raises instead of starting from scratch when snapshots exist but none can be
-        trusted.
+        trusted. With ``step``: exactly that committed step (e.g. to roll back), or
+        :class:`~aegis.errors.NoSnapshotError`; snapshots newer than it are then removed from the
+        node stores (the job saves those step numbers again), the durable tier keeps its own.
         """
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 1):
+            raise ConfigError(f"restore(step={step!r}): a committed step number >= 1, or None for the newest")
         self._check_open()
         self.engine.wait()
         t0 = time.time()
@@ -368,6 +378,7 @@ class Manager:
             check_state=self._check_restore,
             apply_state=self._apply,
             is_leader=self.engine.is_leader,
+            step=step,
         )
         self._restore_called = True
         self.last_restore = result

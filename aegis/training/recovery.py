@@ -127,13 +127,19 @@ def _inventory(store: NodeStore) -> tuple[dict[int, _StepInv], list[str]]:
     return out, notes
 
 
-def _choose(invs: dict[str, dict[int, _StepInv]], bad: set[int], durable_steps: list[int]
-            ) -> tuple[int | None, list[str]]:
+def _choose(invs: dict[str, dict[int, _StepInv]], bad: set[int], durable_steps: list[int],
+            want: int | None = None) -> tuple[int | None, list[str]]:
     """The newest step committed on some node with every shard held by some node, or committed
-    on the durable tier, whichever is newer (memory preferred for the same step)."""
+    on the durable tier, whichever is newer (memory preferred for the same step); only ``want``
+    when given."""
     notes: list[str] = []
     steps = sorted({s for inv in invs.values() for s, i in inv.items() if i.committed}
                    | set(durable_steps), reverse=True)
+    if want is not None:
+        if want not in steps:
+            notes.append(f"step {want} is not committed on any node store or the durable tier "
+                         f"(committed: {sorted(steps)[-8:] or 'none'})")
+        steps = [s for s in steps if s == want]
     for step in steps:
         if step in bad:
             continue
@@ -165,12 +171,14 @@ def restore_newest(
     check_state: Callable[[dict[str, Any], Manifest], None],
     apply_state: Callable[[dict[str, Any], Manifest], None],
     durable: ObjectStore | None = None,
+    step: int | None = None,
 ) -> RestoreResult | None:
     """Restore the newest complete, verified committed step; None when there is none at all.
 
     ``make_state(manifest)`` builds the state dict DCP loads into, ``check_state`` raises if it
     does not fit the snapshot (both run on every rank, errors raised on all of them), and
-    ``apply_state`` puts the loaded values into the live objects."""
+    ``apply_state`` puts the loaded values into the live objects. With ``step``, exactly that
+    committed step or NoSnapshotError (never another one)."""
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
 
@@ -208,10 +216,17 @@ def restore_newest(
 
     bad: set[int] = set()
     ranks_of = {n: [r for r, x in enumerate(nodes) if x == n] for n in dict.fromkeys(nodes)}
+    want = step
     while True:
-        step, notes = _choose(invs, bad, durable_steps)
+        step, notes = _choose(invs, bad, durable_steps, want)
         skipped.extend(x for x in notes if x not in skipped)
         if step is None:
+            if want is not None:
+                raise errors.NoSnapshotError(
+                    f"restore(step={want}): that step cannot be restored; "
+                    + "; ".join(skipped or ["it is not committed anywhere"])
+                    + ". Nothing was loaded. Call restore() for the newest intact step"
+                )
             if skipped:
                 raise CorruptShardError(
                     "committed snapshots exist but none is complete and intact; tried: "
@@ -255,8 +270,8 @@ def restore_newest(
         # 3. what every node needs, from each rank's local DCP load plan
         box: dict[str, dict[str, Any]] = {}
 
-        def build(m: Manifest = manifest) -> None:
-            box["sd"] = make_state(m)
+        def build(m: Manifest = manifest, out: dict[str, dict[str, Any]] = box) -> None:
+            out["sd"] = make_state(m)
 
         group.run_all("restore state", build)
         state_dict = box["sd"]
