@@ -339,6 +339,54 @@ class ResumableSampler:
         self.seed = int(state_dict["seed"])
 
 
+class PerRankStream:
+    """Each rank reads its own stream (like ``DistributedSampler`` shards or a per-rank
+    dataloader): rank ``r`` takes samples ``[base_r + pos, base_r + pos + batch_size)`` and
+    advances ``pos``; the streams start at positions that differ by rank, so every rank's state
+    is its own. Same interface as :class:`ResumableSampler` for the training loop.
+
+    ``reshard_state_dicts`` is aegis' hook for a restore into another world size: a rank that
+    existed keeps its stream, a new rank starts its own stream at the step reached."""
+
+    _STREAM = 1 << 40  # samples per stream: streams never overlap
+
+    def __init__(self, batch_size: int, world_size: int = 1, rank: int = 0, seed: int = 0) -> None:
+        self.batch_size = int(batch_size)
+        self.rank = int(rank)
+        self.seed = int(seed)
+        self.consumed = 0
+        self.pos = self._start(self.rank)
+
+    @staticmethod
+    def _start(rank: int) -> int:
+        return 37 * rank
+
+    def next_global_batch(self) -> list[int]:
+        base = (self.rank + 1) * self._STREAM
+        batch = list(range(base + self.pos, base + self.pos + self.batch_size))
+        self.pos += self.batch_size
+        self.consumed += 1
+        return batch
+
+    def local_indices(self, batch: list[int]) -> list[int]:
+        return batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"consumed": int(self.consumed), "pos": int(self.pos), "seed": int(self.seed)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.consumed = int(state_dict["consumed"])
+        self.pos = int(state_dict["pos"])
+        self.seed = int(state_dict["seed"])
+
+    def reshard_state_dicts(self, states: list[dict[str, Any]], rank: int, world_size: int) -> dict[str, Any]:
+        consumed = int(states[0]["consumed"])
+        if rank < len(states):
+            return dict(states[rank])
+        return {"consumed": consumed, "pos": self._start(rank) + consumed * self.batch_size,
+                "seed": int(states[0]["seed"])}
+
+
 # --------------------------------------------------------------------------------------------
 # Distributed setup
 # --------------------------------------------------------------------------------------------
@@ -467,6 +515,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="append a digest of the full state after every save and after restore (rank 0)",
     )
+    p.add_argument("--sampler", choices=["global", "per-rank"], default="global",
+                   help="global: one stream, global batches (the same state on every rank); "
+                        "per-rank: each rank its own stream and position (per-rank state)")
     p.add_argument("--no-aegis", action="store_true", help="train without checkpointing")
     p.add_argument("--loss-log", default=None, help="append one JSON line per step (rank 0)")
     p.add_argument(
@@ -521,7 +572,8 @@ def _train(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> 
         warmup_steps=args.warmup_steps,
     )
     data = SyntheticTokens(cfg.vocab_size, cfg.seq_len, seed=args.seed)
-    sampler = ResumableSampler(args.batch_size, world_size=world, rank=rank, seed=args.seed)
+    sampler_cls = PerRankStream if args.sampler == "per-rank" else ResumableSampler
+    sampler = sampler_cls(args.batch_size, world_size=world, rank=rank, seed=args.seed)
     if rank == 0:
         print(
             f"[train_fsdp] config={args.config} params={count_params(model):,} world={world} "
@@ -544,8 +596,9 @@ def _train(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> 
             {
                 "model": ModelOptimizerState(model, optimizer),
                 "scheduler": scheduler,
-                # its position counts global batches: the same on every rank, at any world size
-                "data": replicated(sampler),
+                # global: its position counts global batches, the same on every rank at any world
+                # size; per-rank: each rank's own (aegis' default for objects)
+                "data": replicated(sampler) if args.sampler == "global" else sampler,
             },
             every=args.every,
             keep=args.keep,

@@ -42,24 +42,38 @@ def losses(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
-    """Loss (as float.hex) per step of an uninterrupted run without aegis."""
+def _reference(tmp_path_factory: pytest.TempPathFactory, extra: list[str]) -> dict[int, str]:
     d = tmp_path_factory.mktemp("ref")
-    p = torchrun([*COMMON, "--no-aegis", "--loss-log", str(d / "loss.jsonl")], log=d / "log")
+    p = torchrun([*COMMON, *extra, "--no-aegis", "--loss-log", str(d / "loss.jsonl")], log=d / "log")
     assert p.wait(timeout=240) == 0, (d / "log").read_text()[-3000:]
     ref = {r["step"]: r["loss_hex"] for r in losses(d / "loss.jsonl")}
     assert sorted(ref) == list(range(1, STEPS + 1))
     return ref
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
+    """Loss (as float.hex) per step of an uninterrupted run without aegis."""
+    return _reference(tmp_path_factory, [])
+
+
+PER_RANK = ["--sampler", "per-rank"]
+
+
+@pytest.fixture(scope="module")
+def reference_per_rank(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
+    """The same with a per-rank sampler: each rank its own stream and position."""
+    return _reference(tmp_path_factory, PER_RANK)
+
+
 def committed(store: Path) -> list[int]:
     return sorted(s.step for s in NodeStore(store, "kill").steps() if s.committed)
 
 
-def resume_and_check(store: Path, loss_log: Path, log: Path, reference: dict[int, str], expect_step: int) -> None:
+def resume_and_check(store: Path, loss_log: Path, log: Path, reference: dict[int, str], expect_step: int,
+                     extra: list[str] | None = None) -> None:
     before = len(losses(loss_log))
-    p = torchrun([*COMMON, "--store-dir", str(store), "--loss-log", str(loss_log)], log=log)
+    p = torchrun([*COMMON, *(extra or []), "--store-dir", str(store), "--loss-log", str(loss_log)], log=log)
     assert p.wait(timeout=240) == 0, log.read_text()[-3000:]
     resumed = losses(loss_log)[before:]
     assert resumed[0]["step"] == expect_step + 1, resumed[0]
@@ -69,10 +83,18 @@ def resume_and_check(store: Path, loss_log: Path, log: Path, reference: dict[int
 
 
 @pytest.mark.timeout(600)
-def test_sigkill_every_rank_then_resume_bitwise(store_dir: Path, tmp_path: Path, reference: dict[int, str]) -> None:
+@pytest.mark.parametrize("sampler", ["global", "per-rank"])
+def test_sigkill_every_rank_then_resume_bitwise(store_dir: Path, tmp_path: Path, sampler: str,
+                                                request: pytest.FixtureRequest) -> None:
+    """per-rank: each rank reads its own stream; before issue 12 every rank got one rank's
+    sampler state back and the resumed losses differed from the uninterrupted run's."""
+    extra = PER_RANK if sampler == "per-rank" else []
+    reference = request.getfixturevalue("reference_per_rank" if extra else "reference")
+    if extra:
+        assert reference != request.getfixturevalue("reference")  # the streams do differ
     loss_log, log = tmp_path / "loss.jsonl", tmp_path / "log"
-    p = torchrun([*COMMON, "--store-dir", str(store_dir), "--loss-log", str(loss_log), "--step-sleep", "0.1"],
-                 log=log)
+    p = torchrun([*COMMON, *extra, "--store-dir", str(store_dir), "--loss-log", str(loss_log),
+                  "--step-sleep", "0.1"], log=log)
     deadline = time.monotonic() + 180
     while p.poll() is None and len(losses(loss_log)) < 6:
         assert time.monotonic() < deadline, log.read_text()[-3000:]
@@ -84,7 +106,7 @@ def test_sigkill_every_rank_then_resume_bitwise(store_dir: Path, tmp_path: Path,
     p.wait()
     newest = committed(store_dir)[-1]
     assert newest >= 4
-    resume_and_check(store_dir, loss_log, log, reference, newest)
+    resume_and_check(store_dir, loss_log, log, reference, newest, extra)
 
 
 @pytest.mark.timeout(600)

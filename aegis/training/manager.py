@@ -117,6 +117,7 @@ class Manager:
         # engine writes it into each manifest
         self._kinds: dict[str, str] = {}
         self._restore_called = False
+        self._newest_durable = 0
         self.node = node_id()
         self.durable_store = open_store(self.config.durable) if self.config.durable else None
         self.group = Group(new_snapshot_group(self.config.timeout))
@@ -328,11 +329,7 @@ class Manager:
         with ``fresh=True`` the node stores' snapshots are removed first. Collective."""
         local = -1
         if self.engine.is_leader:
-            steps = [i.step for i in self.store.steps() if i.committed]
-            if self.config.fresh:
-                for i in self.store.steps():
-                    self.store.remove_step(i.step)
-            local = max(steps, default=0)
+            local = max((i.step for i in self.store.steps() if i.committed), default=0)
         durable = 0
         if self.durable_store is not None and self.rank == 0:
             try:
@@ -340,17 +337,23 @@ class Manager:
             except Exception:  # noqa: BLE001 - the start check already reached the store
                 durable = 0
         newest, newest_durable = self.group.all_reduce_max([local, durable], "existing snapshots")
-        if self.config.fresh and newest_durable > 0:
+        self._newest_durable = newest_durable
+        if not self.config.fresh:
+            return max(newest, newest_durable)
+        if newest_durable > 0:  # refused before anything is removed
             raise ConfigError(
                 f"fresh=True, but the durable tier {self.durable_store.url if self.durable_store else ''}"
                 f" holds committed snapshots of job {self.config.job!r} up to step {newest_durable}, "
                 "which a later restore() would go back to: use a new job name, or remove them "
                 "first (aegis prune)"
             )
-        if self.config.fresh and newest > 0:
+        if self.engine.is_leader:
+            for i in self.store.steps():
+                self.store.remove_step(i.step)
+        self.group.barrier("fresh start")
+        if newest > 0:
             self.events.say(f"fresh=True: removed this job's snapshots up to step {newest} from the node stores")
-            return 0
-        return max(newest, newest_durable)
+        return 0
 
     # -- contract ------------------------------------------------------------------------------
 
@@ -416,6 +419,13 @@ class Manager:
             + (f"; skipped: {'; '.join(result.skipped)}" if result.skipped else "")
         )
         self._restored(result.step)
+        if step is not None and self._newest_durable > step:
+            self.events.warn(
+                f"restored step {step} on request; the durable tier still holds newer steps (up to "
+                f"{self._newest_durable}) of this timeline: a later restore() after a whole-job loss "
+                "would choose them, and uploads of the step numbers saved again are refused. Remove "
+                "them from the durable tier if this rollback is meant to last"
+            )
         return result.step
 
     def _restored(self, step: int) -> None:
