@@ -248,25 +248,14 @@ class AegisCheckpointManager(BaseCheckpointManager):
 
     @torch.no_grad()
     def _load(self, step: int = -1) -> bool:
-        """Resume from the newest committed snapshot of the job (``step=-1``), or check that it
-        is ``step``. With no snapshot at all: seed from ``initial_load_path`` if set."""
-        restored = self.manager.restore()
+        """Resume from the newest committed snapshot of the job (``step=-1``), or from exactly
+        ``step`` (a rollback: newer snapshots leave the node stores; NoSnapshotError when that
+        step is not committed and intact). With no snapshot at all: seed from
+        ``initial_load_path`` if set."""
+        restored = self.manager.restore(step=None if step == -1 else step)
         if restored:
-            if step not in (-1, restored):
-                raise ValueError(
-                    f"checkpoint.load_step={step}: job {self.config.job!r} resumed from step "
-                    f"{restored}, its newest committed snapshot (aegis never resumes an older one "
-                    "over a newer one). Set load_step=-1; to restart from step "
-                    f"{step}: `aegis export STORE OUT --format dcp --step {step}`, "
-                    "to_torchtitan_dcp(OUT) and initial_load_path=OUT with a new job name"
-                )
             self._last_saved = restored
             return True
-        if step != -1:
-            raise FileNotFoundError(
-                f"checkpoint.load_step={step}: job {self.config.job!r} has no committed snapshot "
-                "in any node store or the durable tier"
-            )
         if self.config.initial_load_path:
             self._seed(self.config.initial_load_path)
             return True
