@@ -20,6 +20,7 @@ from aegis.errors import (
     StoreFullError,
 )
 from aegis.training.config import ManagerConfig
+from aegis.training.inprocess import World, run_in_process
 from aegis.training.manager import Manager
 from aegis.training.state import ModelOptimizerState, PerRank, Replicated, per_rank, replicated
 
@@ -28,6 +29,8 @@ __version__ = "0.1.0"
 __all__ = [
     "Manager",
     "ManagerConfig",
+    "World",
+    "run_in_process",
     "ModelOptimizerState",
     "PerRank",
     "Replicated",

@@ -162,10 +162,14 @@ class _DaemonWorker:
             except BaseException as e:  # noqa: BLE001 - delivered through the future
                 future.set_exception(e)
 
-    def shutdown(self, wait: bool = True) -> None:
+    def shutdown(self, wait: bool = True, timeout: float | None = None) -> None:
         self._queue.put(None)
         if wait:
-            self._thread.join()
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
 
 class SnapshotEngine:
@@ -337,6 +341,34 @@ class SnapshotEngine:
                 for s in held:
                     if s is not None:
                         s.close()
+
+    def abort(self, *, begin: bool, timeout: float = 5.0) -> None:
+        """Give up without collectives (in-process recovery: a peer is gone). ``begin=True``
+        before the process groups are destroyed: no new work; ``begin=False`` after: wait (at
+        most ``timeout``) for the background thread, whose transfer the destroyed group ends,
+        then release the slots. Committed snapshots stay in the node store."""
+        self._closed = True
+        if begin:
+            self._executor.shutdown(wait=False)
+            return
+        self._executor.shutdown(wait=True, timeout=timeout)
+        if self._executor.alive:
+            return  # still blocked (a stopped peer): its slots stay mapped until it ends
+        with self._lock:
+            slots = [*self._pool, *self._replica_pool]
+            if self._inflight is not None and self._inflight[1] is not None:
+                slots.append(self._inflight[1])
+            for _, own, replica_slots in self._committed:
+                slots.extend(s for s in (own, *replica_slots) if s is not None)
+            for slot in slots:
+                slot.close()
+            for slot in [*self._pool, *self._replica_pool]:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(slot.path)
+            self._pool.clear()
+            self._replica_pool.clear()
+            self._committed.clear()
+            self._inflight = None
 
     # -- planning ------------------------------------------------------------------------------
 

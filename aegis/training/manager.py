@@ -15,6 +15,7 @@ Every method is collective: all ranks call it, in the same order, with the same 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import time
@@ -44,6 +45,7 @@ from aegis.snapshot.manifest import Manifest, TensorEntry, dtype_from_name
 from aegis.snapshot.node_store import NodeStore
 from aegis.snapshot.objstore import open_store
 from aegis.snapshot.transport import GlooTransport
+from aegis.training import inprocess
 from aegis.training.config import ManagerConfig
 from aegis.training.events import EventLog
 from aegis.training.recovery import RestoreResult, check_keys, restore_newest
@@ -112,6 +114,8 @@ class Manager:
         self._auto_ref: tuple[float, int] | None = None  # (time, step) the step clock runs from
         self._durable_mark = 0  # auto: the step of the last durable upload decided
         check_state(state)
+        if inprocess.in_process_round():
+            _check_built_in_round(state)
         self.state = dict(state)
         # name -> kind (sharded / per_rank / replicated), learnt at the first state dict; the
         # engine writes it into each manifest
@@ -150,6 +154,8 @@ class Manager:
             state_kinds=self._kinds,
         )
         self._existing = self._find_existing()
+        if inprocess.in_process_round():
+            inprocess.register_manager(self)
         self.uploader: Uploader | None = None
         self._last_upload_t = time.monotonic()
         self._upload_owed = False  # a due upload was skipped (backlog): catch up when it drains
@@ -544,6 +550,21 @@ class Manager:
                     if pg is not None:
                         dist.destroy_process_group(pg)
 
+    def abort(self, *, begin: bool = True) -> None:
+        """Give up without collectives: what in-process recovery calls when a peer is lost
+        (``begin=True`` before it destroys the process groups, ``begin=False`` after). Not for
+        ordinary use: ``close()`` is the collective, orderly end."""
+        self._closed = True
+        self.engine.abort(begin=begin)
+        if self.uploader is not None:
+            if begin:
+                self.uploader._queue.put(None)
+            else:
+                self.uploader._thread.join(timeout=5)
+        if not begin and self.durable_store is not None:
+            with contextlib.suppress(Exception):
+                self.durable_store.close()
+
     def __enter__(self) -> Manager:
         return self
 
@@ -658,3 +679,24 @@ class Manager:
                 f"blocked {r.blocking_s * 1e3:.1f} ms ({r.staging_gbps:.2f} GB/s copy), background "
                 f"{r.background_s * 1e3:.1f} ms"
             )
+
+
+def _check_built_in_round(state: Mapping[str, Any]) -> None:
+    """Under :func:`aegis.run_in_process` a model must be built inside the function it re-runs:
+    one sharded on the process group of a failed round would hang or fail at its first
+    collective. Name what to move instead."""
+    from torch.distributed.distributed_c10d import _world
+    from torch.distributed.tensor import DTensor
+
+    for name, obj in state.items():
+        if not isinstance(obj, ModelOptimizerState):
+            continue
+        for pname, p in obj.model.named_parameters():
+            if isinstance(p, DTensor) and p.device_mesh.get_group() not in _world.pg_map:
+                raise ConfigError(
+                    f"state[{name!r}]: parameter {pname!r} is sharded on a process group of an "
+                    "earlier round, which in-process recovery has destroyed. Build the device mesh, "
+                    "the model (fully_shard), the optimizer and the Manager inside the function "
+                    "given to aegis.run_in_process, so that each round builds them anew"
+                )
+            break

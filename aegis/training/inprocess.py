@@ -1,0 +1,316 @@
+"""In-process recovery: surviving ranks re-form their process groups and go on training in the
+same process when a peer dies, instead of being restarted.
+
+::
+
+    def train(world: aegis.World) -> None:          # aegis may call it again after a failure
+        mesh = init_device_mesh("cpu", (world.size,))  # everything bound to the process group
+        model = build_model(); fully_shard(model, mesh=mesh)   # is built inside
+        optim = torch.optim.AdamW(model.parameters())
+        mgr = aegis.Manager(job, {"model": aegis.ModelOptimizerState(model, optim)})
+        start = mgr.restore()
+        for step in range(start + 1, total + 1):
+            ...
+            mgr.save(step)
+        mgr.close()
+
+    aegis.run_in_process(train, min_world=2)        # instead of init_process_group + train()
+
+How it works (see docs/architecture.md, "In-process recovery"):
+
+* **Membership** lives in a c10d ``TCPStore`` that no training node owns (the job's rendezvous
+  store; ``AEGIS_MEMBERSHIP=host:port``). Every process beats a heartbeat counter there from a
+  thread of its own. A *round* is one membership: each live process announces itself, and the
+  first proposal written with ``compare_set`` is the round's member list, which every process
+  adopts (the store is the single point of agreement; there is no consensus protocol here).
+  A proposal waits for every member of the previous round whose heartbeat still moves; one
+  whose counter has not moved for ``dead_after_s`` is dead.
+* Each round gets its own default process group on ``PrefixStore("aegis/round/<r>/pg")``;
+  ``train`` runs in it. A collective that fails because a peer is gone (gloo: connection closed
+  or reset, or the group's timeout for a peer that stopped answering) ends the round: the
+  Managers of the round are aborted without collectives, every process group is destroyed, and
+  the survivors form the next round and call ``train`` again, which restores the newest
+  committed snapshot from their node stores and their peers' replicas (resharding to the new
+  world size) and goes on.
+* Anything else raised by ``train`` (a bug in the script, an error of aegis that is not a lost
+  peer) is re-raised: the process exits and torchrun restarts it, as without this wrapper.
+
+gloo cannot abandon a collective that waits on a stopped (not dead) peer (measured here:
+``ProcessGroup.abort()`` does not unblock it); such a hang ends when the training group's
+timeout (``collective_timeout``) fires, so keep it short (seconds) with gloo.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from aegis._dist import node_id
+from aegis.errors import AegisError, ConfigError
+
+__all__ = ["World", "run_in_process", "RecoveryGaveUp", "is_peer_failure"]
+
+_ENV_STORE = "AEGIS_MEMBERSHIP"
+
+
+class RecoveryGaveUp(AegisError):
+    """In-process recovery could not go on (too few members, a membership timeout); the process
+    exits so that the launcher restarts it."""
+
+
+@dataclass
+class World:
+    """What ``train`` is called with: the current membership."""
+
+    rank: int
+    size: int
+    round: int
+    node: str
+    members: list[str]
+    restarts: int = 0  # rounds this process re-entered train() after a failure
+    timings: dict[str, float] = field(default_factory=dict)  # the last recovery's phases (s)
+    failed_at: float | None = None  # time.time() when this process saw the last failure
+
+
+# -- Managers of the current round: aborted (no collectives) when the round fails -------------
+
+_live: weakref.WeakSet[Any] = weakref.WeakSet()
+_active = threading.local()
+
+
+def register_manager(mgr: Any) -> None:
+    _live.add(mgr)
+
+
+def in_process_round() -> bool:
+    return bool(getattr(_active, "on", False))
+
+
+def is_peer_failure(e: BaseException) -> bool:
+    """A lost or silent peer, as gloo and aegis report it (not a bug in the script)."""
+    from aegis.errors import CollectiveError, SnapshotTimeoutError
+
+    if isinstance(e, SnapshotTimeoutError):
+        return True
+    text = f"{type(e).__name__}: {e}".lower()
+    if isinstance(e, CollectiveError):
+        return "peer is likely gone" in text or "timed out" in text or "connection" in text
+    if isinstance(e, AegisError):
+        return "peer is likely gone" in text or "collective failed" in text
+    markers = ("connection closed by peer", "connection reset", "broken pipe", "timed out",
+               "timeout", "socket closed", "no route to host", "connection refused",
+               "read error", "write error", "gloo")
+    return isinstance(e, RuntimeError | OSError) and any(m in text for m in markers)
+
+
+# -- membership -------------------------------------------------------------------------------
+
+
+def _store_from_env(timeout: timedelta) -> dist.TCPStore:
+    addr = os.environ.get(_ENV_STORE)
+    if not addr or ":" not in addr:
+        raise ConfigError(
+            f"{_ENV_STORE}=host:port must name a c10d TCPStore that no training node owns (the "
+            "job's rendezvous store; aegis.sim starts one): in-process recovery agrees on "
+            "membership through it"
+        )
+    host, port = addr.rsplit(":", 1)
+    return dist.TCPStore(host, int(port), is_master=False, timeout=timeout, wait_for_workers=False)
+
+
+class _Heartbeat:
+    """A counter in the store, bumped every ``interval_s`` from a thread with its own client."""
+
+    def __init__(self, uid: str, interval_s: float, timeout: timedelta) -> None:
+        self.key = f"aegis/hb/{uid}"
+        self.interval_s = interval_s
+        self._store = _store_from_env(timeout)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="aegis-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with contextlib.suppress(Exception):  # a store hiccup is seen by the peers, not here
+                self._store.add(self.key, 1)
+            self._stop.wait(self.interval_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+class _Membership:
+    """Rounds of membership agreed through one TCPStore (see the module docstring)."""
+
+    def __init__(self, store: dist.TCPStore, uid: str, *, dead_after_s: float, form_timeout_s: float,
+                 min_world: int) -> None:
+        self.store = store
+        self.uid = uid
+        self.dead_after_s = dead_after_s
+        self.form_timeout_s = form_timeout_s
+        self.min_world = min_world
+        self._seen: dict[str, tuple[int, float]] = {}  # uid -> (counter, when it last moved)
+
+    def _alive(self, uid: str) -> bool:
+        count = self.store.add(f"aegis/hb/{uid}", 0)
+        now = time.monotonic()
+        last = self._seen.get(uid)
+        if last is None or last[0] != count:
+            self._seen[uid] = (count, now)
+            return True
+        return now - last[1] < self.dead_after_s
+
+    def _joined(self, r: int) -> list[str]:
+        n = self.store.add(f"aegis/round/{r}/count", 0)
+        return [self.store.get(f"aegis/round/{r}/slot/{i}").decode() for i in range(1, n + 1)]
+
+    def form(self, r: int, previous: list[str] | None, expected_first: int) -> list[str]:
+        """Join round ``r`` and return its members in rank order (every caller gets the same)."""
+        i = self.store.add(f"aegis/round/{r}/count", 1)
+        self.store.set(f"aegis/round/{r}/slot/{i}", self.uid)
+        key = f"aegis/round/{r}/members"
+        deadline = time.monotonic() + self.form_timeout_s
+        while True:
+            if self.store.check([key]):
+                break
+            joined = self._joined(r)
+            if previous is None:  # the first round: everyone the launcher started
+                ready = len(joined) >= expected_first
+            else:  # survivors: every previous member still beating has joined
+                waiting = [u for u in previous if u not in joined and self._alive(u)]
+                ready = not waiting and len(joined) >= self.min_world
+            if ready:
+                order = {u: k for k, u in enumerate(previous or [])}
+                proposal = sorted(joined, key=lambda u: (order.get(u, len(order)), u))
+                self.store.compare_set(key, "", json.dumps(proposal))
+                break
+            if time.monotonic() > deadline:
+                raise RecoveryGaveUp(
+                    f"round {r}: {len(joined)} process(es) joined within {self.form_timeout_s:.0f} s "
+                    f"({joined}), fewer than needed (min_world={self.min_world}"
+                    + (f", first round: {expected_first}" if previous is None else "") + ")"
+                )
+            time.sleep(0.01)
+        members = json.loads(self.store.get(key).decode())
+        if self.uid not in members:
+            raise RecoveryGaveUp(f"round {r} was formed without this process ({self.uid}); it "
+                                 "joined too late")
+        return members
+
+
+# -- the wrapper --------------------------------------------------------------------------------
+
+
+def _teardown() -> None:
+    """After a failed round: abort its Managers (no collectives), destroy every process group."""
+    managers = list(_live)
+    for m in managers:
+        with contextlib.suppress(Exception):
+            m.abort(begin=True)
+    if dist.is_initialized():
+        from torch.distributed.distributed_c10d import _world
+
+        for pg in list(_world.pg_map):  # close the connections now, so peers fail at once
+            with contextlib.suppress(Exception):
+                pg.abort()
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+    for m in managers:
+        with contextlib.suppress(Exception):
+            m.abort(begin=False)
+    gc.collect()
+
+
+def run_in_process(
+    train: Callable[[World], Any],
+    *,
+    min_world: int = 1,
+    max_restarts: int = 100,
+    heartbeat_s: float = 0.2,
+    dead_after_s: float = 1.0,
+    collective_timeout: timedelta = timedelta(seconds=30),
+    form_timeout: timedelta = timedelta(minutes=2),
+    backend: str = "gloo",
+    on_round: Callable[[World], None] | None = None,
+) -> Any:
+    """Run ``train(world)`` on every process of the job, and again on the survivors, in the same
+    processes, whenever a peer is lost. Returns what the last call of ``train`` returned.
+
+    Every process of the job calls it once, instead of ``init_process_group``; ``train`` must
+    build everything that is bound to the process group (device mesh, FSDP model, optimizer,
+    the aegis ``Manager``) itself. ``WORLD_SIZE`` (torchrun's) is the size of the first round;
+    later rounds have the survivors (at least ``min_world``). A peer counts as dead once its
+    heartbeat has not moved for ``dead_after_s``; a collective waiting on a stopped peer ends
+    after ``collective_timeout`` (gloo cannot abandon it sooner).
+    """
+    if min_world < 1 or dead_after_s <= heartbeat_s:
+        raise ConfigError(f"run_in_process(min_world={min_world}, heartbeat_s={heartbeat_s}, "
+                          f"dead_after_s={dead_after_s}): need min_world >= 1 and dead_after_s > "
+                          "heartbeat_s")
+    if dist.is_initialized():
+        raise ConfigError("run_in_process() creates the process groups itself: call it instead of "
+                          "init_process_group(), not after it")
+    node = node_id()
+    local = os.environ.get("LOCAL_RANK", "0")
+    uid = f"{node}/{local}/{os.getpid()}"
+    store = _store_from_env(form_timeout)
+    hb = _Heartbeat(uid, heartbeat_s, form_timeout)
+    membership = _Membership(store, uid, dead_after_s=dead_after_s,
+                             form_timeout_s=form_timeout.total_seconds(), min_world=min_world)
+    first = int(os.environ.get("WORLD_SIZE", "1"))
+    r = int(os.environ.get("AEGIS_FIRST_ROUND", "0"))
+    previous: list[str] | None = None
+    restarts = 0
+    timings: dict[str, float] = {}
+    failed_at: float | None = None
+    try:
+        while True:
+            t0 = time.perf_counter()
+            members = membership.form(r, previous, first)
+            t1 = time.perf_counter()
+            rank = members.index(uid)
+            dist.init_process_group(backend, store=dist.PrefixStore(f"aegis/round/{r}/pg", store),
+                                    rank=rank, world_size=len(members), timeout=collective_timeout)
+            t2 = time.perf_counter()
+            if restarts:
+                timings.update(agree_s=t1 - t0, regroup_s=t2 - t1)
+            world = World(rank=rank, size=len(members), round=r, node=node, members=members,
+                          restarts=restarts, timings=dict(timings), failed_at=failed_at)
+            if on_round is not None:
+                on_round(world)
+            _active.on = True
+            try:
+                result = train(world)
+                _active.on = False
+                return result
+            except BaseException as e:
+                _active.on = False
+                if not is_peer_failure(e) or restarts >= max_restarts:
+                    raise
+                failed_at = time.time()
+            # Out of the except block: the exception and its frames (holding the round's model,
+            # mesh and groups) are released, so destroying the groups really closes them.
+            del world
+            td = time.perf_counter()
+            _teardown()
+            timings = {"teardown_s": time.perf_counter() - td}
+            previous = members
+            restarts += 1
+            r += 1
+    finally:
+        hb.stop()
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
