@@ -20,7 +20,7 @@ from aegis.errors import (
     StoreFullError,
 )
 from aegis.training.config import ManagerConfig
-from aegis.training.inprocess import World, run_in_process
+from aegis.training.inprocess import RecoveryGaveUp, World, run_in_process
 from aegis.training.manager import Manager
 from aegis.training.state import ModelOptimizerState, PerRank, Replicated, per_rank, replicated
 
@@ -31,6 +31,7 @@ __all__ = [
     "ManagerConfig",
     "World",
     "run_in_process",
+    "RecoveryGaveUp",
     "ModelOptimizerState",
     "PerRank",
     "Replicated",

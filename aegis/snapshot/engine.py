@@ -342,7 +342,7 @@ class SnapshotEngine:
                     if s is not None:
                         s.close()
 
-    def abort(self, *, begin: bool, timeout: float = 5.0) -> None:
+    def abort(self, *, begin: bool, timeout: float = 0.5) -> None:
         """Give up without collectives (in-process recovery: a peer is gone). ``begin=True``
         before the process groups are destroyed: no new work; ``begin=False`` after: wait (at
         most ``timeout``) for the background thread, whose transfer the destroyed group ends,

@@ -130,20 +130,47 @@ def _store_from_env(timeout: timedelta) -> dist.TCPStore:
 
 
 class _Heartbeat:
-    """A counter in the store, bumped every ``interval_s`` from a thread with its own client."""
+    """A counter in the store, bumped every ``interval_s`` from a thread with its own client;
+    the same thread watches the counters of the current round's members, so that when a round
+    fails, how long each peer has been silent is already known (a peer that stopped with the
+    failure is declared dead ``dead_after_s`` after it stopped, not after the failure was seen).
+    Every process reads every member's counter: O(world) reads per process per interval, fine
+    for the simulated cluster; at scale, per-node heartbeats are the next step."""
 
     def __init__(self, uid: str, interval_s: float, timeout: timedelta) -> None:
         self.key = f"aegis/hb/{uid}"
         self.interval_s = interval_s
         self._store = _store_from_env(timeout)
         self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._watch: list[str] = []
+        self._seen: dict[str, tuple[int, float]] = {}  # uid -> (counter, when it last moved)
         self._thread = threading.Thread(target=self._run, name="aegis-heartbeat", daemon=True)
         self._thread.start()
+
+    def watch(self, uids: list[str]) -> None:
+        with self._lock:
+            self._watch = list(uids)
+
+    def silent_for(self, uid: str) -> float:
+        """Seconds since ``uid``'s counter last moved (as seen here); 0 if never watched."""
+        with self._lock:
+            seen = self._seen.get(uid)
+        return 0.0 if seen is None else time.monotonic() - seen[1]
 
     def _run(self) -> None:
         while not self._stop.is_set():
             with contextlib.suppress(Exception):  # a store hiccup is seen by the peers, not here
                 self._store.add(self.key, 1)
+                with self._lock:
+                    watch = list(self._watch)
+                for uid in watch:
+                    count = self._store.add(f"aegis/hb/{uid}", 0)
+                    now = time.monotonic()
+                    with self._lock:
+                        last = self._seen.get(uid)
+                        if last is None or last[0] != count:
+                            self._seen[uid] = (count, now)
             self._stop.wait(self.interval_s)
 
     def stop(self) -> None:
@@ -154,23 +181,17 @@ class _Heartbeat:
 class _Membership:
     """Rounds of membership agreed through one TCPStore (see the module docstring)."""
 
-    def __init__(self, store: dist.TCPStore, uid: str, *, dead_after_s: float, form_timeout_s: float,
-                 min_world: int) -> None:
+    def __init__(self, store: dist.TCPStore, uid: str, hb: _Heartbeat, *, dead_after_s: float,
+                 form_timeout_s: float, min_world: int) -> None:
         self.store = store
         self.uid = uid
+        self.hb = hb
         self.dead_after_s = dead_after_s
         self.form_timeout_s = form_timeout_s
         self.min_world = min_world
-        self._seen: dict[str, tuple[int, float]] = {}  # uid -> (counter, when it last moved)
 
     def _alive(self, uid: str) -> bool:
-        count = self.store.add(f"aegis/hb/{uid}", 0)
-        now = time.monotonic()
-        last = self._seen.get(uid)
-        if last is None or last[0] != count:
-            self._seen[uid] = (count, now)
-            return True
-        return now - last[1] < self.dead_after_s
+        return self.hb.silent_for(uid) < self.dead_after_s
 
     def _joined(self, r: int) -> list[str]:
         n = self.store.add(f"aegis/round/{r}/count", 0)
@@ -267,7 +288,7 @@ def run_in_process(
     uid = f"{node}/{local}/{os.getpid()}"
     store = _store_from_env(form_timeout)
     hb = _Heartbeat(uid, heartbeat_s, form_timeout)
-    membership = _Membership(store, uid, dead_after_s=dead_after_s,
+    membership = _Membership(store, uid, hb, dead_after_s=dead_after_s,
                              form_timeout_s=form_timeout.total_seconds(), min_world=min_world)
     first = int(os.environ.get("WORLD_SIZE", "1"))
     r = int(os.environ.get("AEGIS_FIRST_ROUND", "0"))
@@ -281,6 +302,7 @@ def run_in_process(
             members = membership.form(r, previous, first)
             t1 = time.perf_counter()
             rank = members.index(uid)
+            hb.watch([u for u in members if u != uid])
             dist.init_process_group(backend, store=dist.PrefixStore(f"aegis/round/{r}/pg", store),
                                     rank=rank, world_size=len(members), timeout=collective_timeout)
             t2 = time.perf_counter()
