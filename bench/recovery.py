@@ -14,6 +14,9 @@ aegis-durable     snapshot + upload to S3 every ``--durable-every`` steps, no re
 dcp-s3            no aegis: ``dcp.save`` through fsspec/s3fs (``FsspecWriter``) to the same S3
                   server every ``--durable-every`` steps; restore = ``dcp.load`` of the newest
                   step with a ``.metadata`` (``FsspecReader``), the way a plain DCP user resumes
+aegis-inprocess   as aegis-memory, with ``--in-process`` (``aegis.run_in_process``): the survivors
+                  are not restarted; they re-form their groups and restore in the same processes.
+                  No replacement joins (shrink: growing back in place is not built yet)
 ================  ================================================================================
 
 The S3 server is moto's, on loopback (as in the tests). The default kill lands just before the
@@ -71,8 +74,9 @@ from _common import (  # noqa: E402 - bench/ is on sys.path as a script
 
 NAME = "recovery"
 SELF = str(Path(__file__).resolve())
-ARMS = ("aegis-memory", "aegis-durable", "dcp-s3")
-PHASES = (("detection_s", "detection"), ("restart_s", "restart (rendezvous + worker start)"),
+ARMS = ("aegis-memory", "aegis-durable", "dcp-s3", "aegis-inprocess")
+PHASES = (("detection_s", "detection"),
+          ("restart_s", "restart (rendezvous + worker start; in-process: groups + model re-formed)"),
           ("restore_s", "restore"), ("redo_s", "redo lost steps"), ("next_step_s", "next step"))
 GB = 1e9
 
@@ -314,6 +318,8 @@ def arm_args(arm: str, args: argparse.Namespace, bucket: str | None) -> tuple[li
     k = str(args.durable_every)
     if arm == "aegis-memory":
         return ["--every", "1", "--replicas", "1"], {}
+    if arm == "aegis-inprocess":
+        return ["--every", "1", "--replicas", "1", "--in-process", "--pg-timeout", "30"], {}
     if arm == "aegis-durable":
         return ["--every", k, "--replicas", "0", "--durable", f"s3://{bucket}/aegis",
                 "--durable-every", k], {}
@@ -347,9 +353,15 @@ def run_arm(arm: str, args: argparse.Namespace, spec: str, work: Path, extra: li
         old = {p for n in survivors for p in cluster.nodes[n].workers()}
         last_logged = max(r["step"] for r in _jsonl(loss_log))
         t_kill = cluster.kill_node(victim)
-        replacement = cluster.add_node().node_id
-        t_detect, spawned = _watch_restart(cluster, old, args.nodes, deadline)
-        codes = cluster.wait(max(deadline - time.monotonic(), 1))
+        if arm == "aegis-inprocess":
+            replacement = None
+            t_detect, spawned = None, {}
+            cluster.wait_workers(max(deadline - time.monotonic(), 1))  # see wait_workers
+            codes = {n: 0 if not cluster.nodes[n].workers() else None for n in cluster.alive_nodes()}
+        else:
+            replacement = cluster.add_node().node_id
+            t_detect, spawned = _watch_restart(cluster, old, args.nodes, deadline)
+            codes = cluster.wait(max(deadline - time.monotonic(), 1))
     finally:
         cluster.shutdown()
     losses = _jsonl(loss_log)
@@ -364,6 +376,23 @@ def run_arm(arm: str, args: argparse.Namespace, spec: str, work: Path, extra: li
     resumed = [r for r in losses if r["time"] > t_kill]
     t_up = max(e["time"] for e in starts)
     t_restored = max(e["time"] for e in restores)
+    inproc: dict[str, Any] | None = None
+    recoveries = [e for e in after if e["event"] == "recovery"]
+    if arm == "aegis-inprocess":
+        if not recoveries:
+            raise RuntimeError(f"{arm}: no in-process recovery after the kill; see {work}")
+        # detection: the survivors' collective failed; then teardown, agreement on the new
+        # membership and the new group (the recovery event), the model, optimizer and Manager
+        # built again (the Manager's start event)
+        t_detect = max(e["failed_at"] for e in recoveries)
+        t_grouped = max(e["time"] for e in recoveries)
+        inproc = {"teardown_s": max(e["timings"].get("teardown_s", 0.0) for e in recoveries),
+                  "agree_s": max(e["timings"].get("agree_s", 0.0) for e in recoveries),
+                  "regroup_s": max(e["timings"].get("regroup_s", 0.0) for e in recoveries),
+                  "rebuild_s": t_up - t_grouped, "restore_s": t_restored - t_up,
+                  "world_after": recoveries[0]["world_size"],
+                  "survivor_pids_kept": sorted(old) == sorted(
+                      {e["pid"] for e in starts if "pid" in e})}
     redo = next((r for r in resumed if r["step"] == last_logged), None)
     nxt = next((r for r in resumed if r["step"] == last_logged + 1), None)
     t_redo = redo["time"] if redo is not None and restored < last_logged else t_restored
@@ -382,7 +411,8 @@ def run_arm(arm: str, args: argparse.Namespace, spec: str, work: Path, extra: li
         "killed": victim, "replacement": replacement, "t_kill": t_kill,
         "last_step_logged_before_kill": last_logged, "restored_step": restored,
         "steps_lost": last_logged - restored, "wall_per_step_before_kill_s": step_s,
-        "phases": phases, "restore_event_seconds_max": max(e["seconds"] for e in restores),
+        "phases": phases, "in_process": inproc,
+        "restore_event_seconds_max": max(e["seconds"] for e in restores),
         "restore_tiers": sorted({s["tier"] for e in restores for s in e.get("sources", [])}),
         "worker_start": _worker_start(work, t_kill, starts, spawned),
         "losses": losses, "start_events": starts, "restore_events": restores,

@@ -518,6 +518,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sampler", choices=["global", "per-rank"], default="global",
                    help="global: one stream, global batches (the same state on every rank); "
                         "per-rank: each rank its own stream and position (per-rank state)")
+    p.add_argument("--in-process", action="store_true",
+                   help="recover in place: survivors of a lost peer re-form their groups and go on "
+                        "in the same processes (aegis.run_in_process; needs AEGIS_MEMBERSHIP)")
+    p.add_argument("--min-world", type=int, default=1, help="--in-process: smallest world to go on with")
     p.add_argument("--no-aegis", action="store_true", help="train without checkpointing")
     p.add_argument("--loss-log", default=None, help="append one JSON line per step (rank 0)")
     p.add_argument(
@@ -543,6 +547,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         torch.use_deterministic_algorithms(True)
 
+    if args.in_process:
+        return _run_in_process(args)
     rank, world, local_rank, store_path = init_distributed(args.device, args.pg_timeout)
     try:
         rc = _train(args, rank, world, local_rank)
@@ -554,6 +560,35 @@ def main(argv: list[str] | None = None) -> int:
         dist.destroy_process_group()
         if store_path is not None and os.path.exists(store_path):
             os.unlink(store_path)
+
+
+def _run_in_process(args: argparse.Namespace) -> int:
+    """``--in-process``: aegis forms the process groups and calls ``_train`` again, in this
+    process, on the survivors whenever a peer is lost; everything bound to the groups (mesh,
+    model, optimizer, Manager) is built inside ``_train``."""
+    try:
+        import aegis
+    except ImportError:  # running from a checkout without the package installed
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        import aegis
+    if args.no_aegis or args.device == "cuda":
+        raise SystemExit("--in-process needs aegis and gloo (CPU) here: NCCL's abort path is not "
+                         "built yet")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+
+    def train(w: aegis.World) -> int:
+        if w.restarts and w.rank == 0:
+            phases = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in w.timings.items())
+            print(f"[train_fsdp] in-process recovery: round {w.round}, world {w.size} ({phases})",
+                  flush=True)
+        rc = _train(args, w.rank, w.size, local_rank)
+        dist.barrier()  # leave together (see main)
+        return rc
+
+    return int(aegis.run_in_process(
+        train, min_world=args.min_world,
+        collective_timeout=timedelta(seconds=args.pg_timeout or 30),
+    ))
 
 
 def _train(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> int:

@@ -199,6 +199,8 @@ class SimCluster:
             "AEGIS_STORE_DIR": str(store_dir),
             "AEGIS_EVENTS_DIR": str(self.workdir / "events" / node_id),
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+            # in-process recovery agrees on membership in the same store (keys under aegis/)
+            "AEGIS_MEMBERSHIP": f"{self.host}:{self.port}",
             "OMP_NUM_THREADS": "1",
             "PYTHONWARNINGS": "ignore",
             "PYTHONUNBUFFERED": "1",
@@ -260,6 +262,18 @@ class SimCluster:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 node.proc.wait(timeout=remaining)
         return {n: node.proc.poll() for n, node in self.nodes.items() if node.killed is None}
+
+    def wait_workers(self, timeout: float) -> bool:
+        """Wait until no live node has a worker left; True if so. With in-process recovery a
+        lost node's agent never reaches torchrun's exit barrier, so the survivors' agents wait
+        there (torchrun's fixed 300 s) after their workers are done: the job is over when the
+        workers are."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not any(node.workers() for node in self.nodes.values() if node.killed is None):
+                return True
+            time.sleep(0.1)
+        return False
 
     def shutdown(self, *, remove_stores: bool = True) -> None:
         for node in self.nodes.values():

@@ -231,11 +231,105 @@ class _Membership:
         return members
 
 
+# -- gloo's connections: closed on purpose ---------------------------------------------------------
+#
+# Measured here (torch 2.13): a gloo group destroyed (or aborted, or shut down) by a process that
+# lives on keeps its TCP connections open, so a peer blocked in a collective with it waits for the
+# group's timeout. A survivor that saw a failure first would leave the others blocked on it. So
+# every process publishes the ports its gloo groups listen on, and a process leaving a round shuts
+# down (shutdown(2), both ways) each of its TCP connections to or from such a port: its peers'
+# pending receives end at once, as if it had died. Linux only (/proc); elsewhere, the timeout.
+
+_TCP_ESTABLISHED, _TCP_LISTEN = "01", "0A"
+
+
+def _my_sockets() -> dict[int, int]:
+    """inode -> fd of this process's sockets."""
+    out = {}
+    with contextlib.suppress(OSError):
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                link = os.readlink(f"/proc/self/fd/{fd}")
+                if link.startswith("socket:["):
+                    out[int(link[8:-1])] = int(fd)
+    return out
+
+
+def _tcp_table() -> list[tuple[int, int, str, int]]:
+    """(local port, remote port, state, inode) of every TCP socket in this network namespace."""
+    rows = []
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(name) as fh:
+            next(fh, None)
+            for line in fh:
+                f = line.split()
+                if len(f) > 9:
+                    rows.append((int(f[1].rsplit(":", 1)[1], 16), int(f[2].rsplit(":", 1)[1], 16),
+                                 f[3], int(f[9])))
+    return rows
+
+
+def listening_ports() -> list[int]:
+    mine = _my_sockets()
+    return sorted({lp for lp, _, st, ino in _tcp_table() if st == _TCP_LISTEN and ino in mine})
+
+
+def _shutdown_gloo(ports: set[int]) -> int:
+    """Shut down this process's established TCP connections from or to ``ports``."""
+    import socket
+
+    mine = _my_sockets()
+    n = 0
+    for lp, rp, st, ino in _tcp_table():
+        if st != _TCP_ESTABLISHED or ino not in mine or (lp not in ports and rp not in ports):
+            continue
+        with contextlib.suppress(OSError):
+            sock = socket.socket(fileno=os.dup(mine[ino]))
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+                n += 1
+            finally:
+                sock.close()
+    return n
+
+
+class _Round:
+    """The current round, for what runs inside it (the Manager publishes its groups' ports)."""
+
+    store: Any = None
+    r: int = -1
+    uid: str = ""
+    members: list[str] = []
+
+
+def publish_ports() -> None:
+    """Publish the ports this process's gloo groups listen on (after creating groups)."""
+    if _Round.store is None:
+        return
+    with contextlib.suppress(Exception):
+        _Round.store.set(f"aegis/round/{_Round.r}/ports/{_Round.uid}", json.dumps(listening_ports()))
+
+
+def _round_ports() -> set[int]:
+    ports: set[int] = set()
+    if _Round.store is None:
+        return ports
+    for uid in _Round.members:
+        key = f"aegis/round/{_Round.r}/ports/{uid}"
+        with contextlib.suppress(Exception):
+            if _Round.store.check([key]):
+                ports.update(json.loads(_Round.store.get(key).decode()))
+    return ports
+
+
 # -- the wrapper --------------------------------------------------------------------------------
 
 
 def _teardown() -> None:
-    """After a failed round: abort its Managers (no collectives), destroy every process group."""
+    """After a failed round: abort its Managers (no collectives), shut this process's gloo
+    connections down so that no peer stays blocked on it, destroy every process group."""
+    with contextlib.suppress(Exception):
+        _shutdown_gloo(_round_ports() | set(listening_ports()))
     managers = list(_live)
     for m in managers:
         with contextlib.suppress(Exception):
@@ -252,6 +346,21 @@ def _teardown() -> None:
         with contextlib.suppress(Exception):
             m.abort(begin=False)
     gc.collect()
+
+
+def _emit_recovery(w: World) -> None:
+    """One ``recovery`` event per rank and round in ``$AEGIS_EVENTS_DIR`` (beside the Manager's
+    events), with the phases so far: teardown, agree, regroup; the Manager's ``start`` and
+    ``restore`` events that follow time the rebuild and the restore."""
+    root = os.environ.get("AEGIS_EVENTS_DIR")
+    if not root:
+        return
+    with contextlib.suppress(OSError):
+        os.makedirs(root, exist_ok=True)
+        with open(os.path.join(root, f"rank-{w.rank:05d}.jsonl"), "a") as fh:
+            fh.write(json.dumps({"time": time.time(), "event": "recovery", "rank": w.rank,
+                                 "round": w.round, "world_size": w.size, "node": w.node,
+                                 "failed_at": w.failed_at, "timings": w.timings}) + "\n")
 
 
 def run_in_process(
@@ -303,6 +412,7 @@ def run_in_process(
             t1 = time.perf_counter()
             rank = members.index(uid)
             hb.watch([u for u in members if u != uid])
+            _Round.store, _Round.r, _Round.uid, _Round.members = store, r, uid, members
             dist.init_process_group(backend, store=dist.PrefixStore(f"aegis/round/{r}/pg", store),
                                     rank=rank, world_size=len(members), timeout=collective_timeout)
             t2 = time.perf_counter()
@@ -310,6 +420,9 @@ def run_in_process(
                 timings.update(agree_s=t1 - t0, regroup_s=t2 - t1)
             world = World(rank=rank, size=len(members), round=r, node=node, members=members,
                           restarts=restarts, timings=dict(timings), failed_at=failed_at)
+            if restarts:
+                _emit_recovery(world)
+            publish_ports()  # the default group's listener
             if on_round is not None:
                 on_round(world)
             _active.on = True

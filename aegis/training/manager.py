@@ -156,6 +156,7 @@ class Manager:
         self._existing = self._find_existing()
         if inprocess.in_process_round():
             inprocess.register_manager(self)
+            inprocess.publish_ports()  # the listeners of aegis' own groups too
         self.uploader: Uploader | None = None
         self._last_upload_t = time.monotonic()
         self._upload_owed = False  # a due upload was skipped (backlog): catch up when it drains
@@ -683,20 +684,34 @@ class Manager:
 
 def _check_built_in_round(state: Mapping[str, Any]) -> None:
     """Under :func:`aegis.run_in_process` a model must be built inside the function it re-runs:
-    one sharded on the process group of a failed round would hang or fail at its first
-    collective. Name what to move instead."""
+    one sharded on the process group of a failed round would fail at its first collective. Name
+    what to move instead."""
     from torch.distributed.distributed_c10d import _world
-    from torch.distributed.tensor import DTensor
 
     for name, obj in state.items():
         if not isinstance(obj, ModelOptimizerState):
             continue
-        for pname, p in obj.model.named_parameters():
-            if isinstance(p, DTensor) and p.device_mesh.get_group() not in _world.pg_map:
+        for pg in _fsdp_groups(obj.model):
+            if pg not in _world.pg_map:
                 raise ConfigError(
-                    f"state[{name!r}]: parameter {pname!r} is sharded on a process group of an "
-                    "earlier round, which in-process recovery has destroyed. Build the device mesh, "
-                    "the model (fully_shard), the optimizer and the Manager inside the function "
-                    "given to aegis.run_in_process, so that each round builds them anew"
+                    f"state[{name!r}]: the model is sharded on a process group of an earlier round, "
+                    "which in-process recovery has destroyed. Build the device mesh, the model "
+                    "(fully_shard), the optimizer and the Manager inside the function given to "
+                    "aegis.run_in_process, so that each round builds them anew"
                 )
-            break
+
+
+def _fsdp_groups(model: Any) -> list[Any]:
+    """The process groups FSDP2 communicates on for ``model`` (its shard groups)."""
+    out = []
+    for m in model.modules():
+        get_state = getattr(m, "_get_fsdp_state", None)
+        if get_state is None:
+            continue
+        try:
+            group = get_state()._fsdp_param_group
+            if group is not None:
+                out.append(group.mesh_info.shard_process_group)
+        except Exception:  # noqa: BLE001 - FSDP internals moved: no check rather than a false alarm
+            continue
+    return out
