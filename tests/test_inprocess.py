@@ -63,13 +63,13 @@ def _worker(i: int, port: int, root: str, world: int, steps: int, kill: tuple[in
         mgr = Manager(JOB, {"model": ModelOptimizerState(model, opt), "sched": sched},
                       store_dir=f"{root}/n{i}", verbose=False, timeout=timedelta(seconds=timeout_s))
         start = mgr.restore()
-        if w.restarts:
+        if w.restarts or w.round:
             emit(event="restored", round=w.round, rank=w.rank, world=w.size, step=start,
                  digest=_digest(model, opt), timings=w.timings, failed_at=w.failed_at)
         for step in range(start + 1, steps + 1):
             loss = train_step(model, opt, sched, step, w.rank)
             mgr.save(step)
-            if w.restarts and step == start + 1:
+            if (w.restarts or w.round) and step == start + 1:
                 emit(event="first_step", round=w.round, step=step, t=time.time())
             emit(event="step", round=w.round, rank=w.rank, world=w.size, step=step, loss=loss.hex())
             time.sleep(step_sleep)
@@ -122,7 +122,8 @@ def _read(log: Path, node: str) -> list[dict[str, Any]]:
 
 def _run(tmp: Path, world: int, steps: int, *, kill: tuple[int, int] | None = None,
          fail_rounds: int = 0, timeout: float = 240, timeout_s: float = 20.0, step_sleep: float = 0.0,
-         freeze: tuple[int, int] | None = None, reuse: bool = False) -> dict[str, list[dict[str, Any]]]:
+         freeze: tuple[int, int] | None = None, reuse: bool = False,
+         replace: bool = False) -> dict[str, list[dict[str, Any]]]:
     """``freeze=(node, step)``: SIGSTOP that node's process once it logged the step, SIGCONT it
     once another node restored without it."""
     port = free_port()
@@ -150,6 +151,14 @@ def _run(tmp: Path, world: int, steps: int, *, kill: tuple[int, int] | None = No
             assert time.monotonic() < deadline
             time.sleep(0.05)
         os.kill(victim.pid, signal.SIGCONT)
+    if replace:  # a replacement node (empty store) starts once the survivors recovered
+        while not any(e["event"] == "restored" for n in range(world) for e in _read(log, f"n{n}")):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        (log / "replacement_started").write_text(str(time.time()))
+        procs.append(ctx.Process(target=_worker, args=(world, port, str(root), world, steps, None,
+                                                       0, str(log), timeout_s, step_sleep, reuse)))
+        procs[-1].start()
     for p in procs:
         p.join(max(1.0, deadline - time.monotonic()))
     alive = [p for p in procs if p.is_alive()]
@@ -157,7 +166,7 @@ def _run(tmp: Path, world: int, steps: int, *, kill: tuple[int, int] | None = No
         p.kill()
     del store
     assert not alive, f"{len(alive)} process(es) still running after {timeout} s"
-    events = {f"n{i}": _read(log, f"n{i}") for i in range(world)}
+    events = {f"n{i}": _read(log, f"n{i}") for i in range(len(procs))}
     if freeze is not None:
         events["frozen_at"] = [{"time": float((log / "frozen_at").read_text())}]
     return events
@@ -242,3 +251,33 @@ def test_a_model_built_outside_the_rerun_function_is_named(tmp_path: Path) -> No
         err = next(e for e in evs if e["event"] == "config_error")["error"]
         assert "sharded on a process group of an earlier round" in err, node
         assert "inside the function given to aegis.run_in_process" in err
+
+
+@pytest.mark.timeout(600)
+def test_a_replacement_joins_the_running_job_at_the_next_snapshot(tmp_path: Path) -> None:
+    """Shrink at once (3 -> 2 after a SIGKILL), then a replacement process with an empty store
+    registers; the survivors admit it at their next snapshot (after it committed), every rank
+    reshards from that step, and the job goes on with 3 ranks. The survivors never waited for
+    the replacement's start-up."""
+    out = _run(tmp_path, 3, 30, kill=(2, 4), replace=True, step_sleep=0.1)
+    joined = out["n3"]
+    assert joined[-1]["event"] == "done", joined[-3:]
+    r_new = next(e for e in joined if e["event"] == "restored")
+    assert r_new["world"] == 3 and r_new["round"] == 2
+    for node in ("n0", "n1"):
+        evs = out[node]
+        assert evs[-1]["event"] == "done"
+        rounds = [(e["round"], e["world"]) for e in evs if e["event"] == "round"]
+        assert rounds == [(0, 3), (1, 2), (2, 3)], rounds
+        grow = next(e for e in evs if e["event"] == "restored" and e["round"] == 2)
+        assert grow["step"] == r_new["step"]  # the snapshot committed before the regroup
+        steps = [e for e in evs if e["event"] == "step" and e["round"] == 1]
+        assert steps, "the survivors trained while the replacement started"
+    # every step from the regroup on is trained by the 3 ranks, none twice
+    after = [e["step"] for e in out["n0"] if e["event"] == "step" and e["round"] == 2]
+    assert after == list(range(r_new["step"] + 1, 31))
+    stall = max(b["time"] - a["time"] for a, b in zip(
+        [e for e in out["n0"] if e["event"] == "step"][:-1],
+        [e for e in out["n0"] if e["event"] == "step"][1:], strict=True)
+        if a["round"] == 1 and b["round"] == 2)
+    print(f"survivor stall while the replacement joined: {stall:.2f} s")

@@ -200,6 +200,10 @@ class SnapshotEngine:
         # entry name -> kind, recorded in each manifest; the owner (the Manager) fills it in when
         # it builds the state dict, before the save that commits it
         self.state_kinds = state_kinds if state_kinds is not None else {}
+        # an integer every rank contributes to save()'s all-reduce; last_vote is the maximum
+        # (in-process recovery: how many processes wait to join, the same answer on every rank)
+        self.vote: Callable[[], int] | None = None
+        self.last_vote = 0
         self.group = group
         self.rank = group.rank
         self.world = group.world
@@ -279,7 +283,10 @@ class SnapshotEngine:
         planner.set_up_planner(state_dict, storage_meta=None, is_coordinator=self.rank == 0)
         fingerprint = _fingerprint(planner.state_dict)
         changed = self._plan is None or fingerprint != self._plan.fingerprint
-        any_changed, hi, neg_lo = self.group.all_reduce_max([int(changed), step, -step], "save")
+        vote = [self.vote()] if self.vote is not None else []
+        any_changed, hi, neg_lo, *voted = self.group.all_reduce_max(
+            [int(changed), step, -step, *vote], "save")
+        self.last_vote = voted[0] if voted else 0
         if hi != -neg_lo:
             raise StepOrderError(
                 f"ranks called save() with different steps (from {-neg_lo} to {hi}); every rank "

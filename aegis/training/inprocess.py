@@ -59,9 +59,18 @@ import torch.distributed as dist
 from aegis._dist import node_id
 from aegis.errors import AegisError, ConfigError
 
-__all__ = ["World", "run_in_process", "RecoveryGaveUp", "is_peer_failure"]
+__all__ = ["World", "run_in_process", "RecoveryGaveUp", "Regroup", "is_peer_failure"]
 
 _ENV_STORE = "AEGIS_MEMBERSHIP"
+
+
+class Regroup(Exception):  # noqa: N818 - not an error: the round ends on purpose
+    """Raised by ``Manager.save`` on every rank together, after the snapshot committed, when
+    processes wait to join: the next round includes them."""
+
+    def __init__(self, registered: int) -> None:
+        super().__init__(f"{registered} process(es) registered to join")
+        self.registered = registered
 
 
 class RecoveryGaveUp(AegisError):
@@ -294,12 +303,28 @@ def _shutdown_gloo(ports: set[int]) -> int:
 
 
 class _Round:
-    """The current round, for what runs inside it (the Manager publishes its groups' ports)."""
+    """The current round, for what runs inside it (the Manager publishes its groups' ports and
+    votes on joiners)."""
 
     store: Any = None
     r: int = -1
     uid: str = ""
     members: list[str] = []
+    admitted: int = 0  # join slots admitted into a round so far
+
+
+def joiners_registered() -> int:
+    """How many processes have registered to join the job (``Manager.save`` votes with it)."""
+    if _Round.store is None:
+        return 0
+    try:
+        return int(_Round.store.add("aegis/join/count", 0))
+    except Exception:  # noqa: BLE001 - the store away: nobody can join now
+        return _Round.admitted
+
+
+def joiners_waiting(registered: int) -> bool:
+    return registered > _Round.admitted
 
 
 def publish_ports() -> None:
@@ -346,6 +371,24 @@ def _teardown() -> None:
         with contextlib.suppress(Exception):
             m.abort(begin=False)
     gc.collect()
+
+
+def _register_and_wait(store: dist.TCPStore, uid: str, timeout_s: float) -> tuple[int, list[str], int]:
+    """A process that starts while the job runs (a replacement node, a restarted worker):
+    register, then wait until the survivors admit it at their next snapshot. Returns the round
+    to join, who is expected in it, and how many join slots that round admits."""
+    slot = store.add("aegis/join/count", 1)
+    store.set(f"aegis/join/slot/{slot}", uid)
+    key = f"aegis/join/round/{slot}"
+    deadline = time.monotonic() + timeout_s
+    while not store.check([key]):
+        if time.monotonic() > deadline:
+            raise RecoveryGaveUp(f"registered to join the running job (slot {slot}) but was not "
+                                 f"admitted within {timeout_s:.0f} s: the job saves no snapshot, "
+                                 "or has ended")
+        time.sleep(0.02)
+    plan = json.loads(store.get(key).decode())
+    return int(plan["round"]), list(plan["previous"]), int(plan["admitted"])
 
 
 def _emit_recovery(w: World) -> None:
@@ -400,12 +443,16 @@ def run_in_process(
     membership = _Membership(store, uid, hb, dead_after_s=dead_after_s,
                              form_timeout_s=form_timeout.total_seconds(), min_world=min_world)
     first = int(os.environ.get("WORLD_SIZE", "1"))
-    r = int(os.environ.get("AEGIS_FIRST_ROUND", "0"))
+    r = 0
     previous: list[str] | None = None
     restarts = 0
     timings: dict[str, float] = {}
     failed_at: float | None = None
+    admitted = 0
     try:
+        if store.check(["aegis/round/0/members"]):  # the job runs already: join it
+            r, previous, admitted = _register_and_wait(store, uid, form_timeout.total_seconds())
+            hb.watch(previous)
         while True:
             t0 = time.perf_counter()
             members = membership.form(r, previous, first)
@@ -413,6 +460,7 @@ def run_in_process(
             rank = members.index(uid)
             hb.watch([u for u in members if u != uid])
             _Round.store, _Round.r, _Round.uid, _Round.members = store, r, uid, members
+            _Round.admitted = admitted
             dist.init_process_group(backend, store=dist.PrefixStore(f"aegis/round/{r}/pg", store),
                                     rank=rank, world_size=len(members), timeout=collective_timeout)
             t2 = time.perf_counter()
@@ -430,11 +478,16 @@ def run_in_process(
                 result = train(world)
                 _active.on = False
                 return result
+            except Regroup as e:  # every rank, after the same committed snapshot
+                _active.on = False
+                registered = e.registered
+                failed_at = None
             except BaseException as e:
                 _active.on = False
                 if not is_peer_failure(e) or restarts >= max_restarts:
                     raise
                 failed_at = time.time()
+                registered = 0
             # Out of the except block: the exception and its frames (holding the round's model,
             # mesh and groups) are released, so destroying the groups really closes them.
             del world
@@ -444,6 +497,15 @@ def run_in_process(
             previous = members
             restarts += 1
             r += 1
+            if registered > admitted:  # grow: admit the processes that registered
+                joiners = [store.get(f"aegis/join/slot/{i}").decode()
+                           for i in range(admitted + 1, registered + 1)]
+                for i in range(admitted + 1, registered + 1):
+                    store.set(f"aegis/join/round/{i}", json.dumps(
+                        {"round": r, "previous": previous + joiners, "admitted": registered}))
+                previous = previous + joiners
+                admitted = registered
+                hb.watch([u for u in previous if u != uid])
     finally:
         hb.stop()
         if dist.is_initialized():

@@ -157,6 +157,7 @@ class Manager:
         if inprocess.in_process_round():
             inprocess.register_manager(self)
             inprocess.publish_ports()  # the listeners of aegis' own groups too
+            self.engine.vote = inprocess.joiners_registered
         self.uploader: Uploader | None = None
         self._last_upload_t = time.monotonic()
         self._upload_owed = False  # a due upload was skipped (backlog): catch up when it drains
@@ -466,7 +467,17 @@ class Manager:
         assert isinstance(self.config.every, int)
         if step % self.config.every:
             return None
-        return self.engine.save(step, self._state_dict)
+        return self._joined(self.engine.save(step, self._state_dict))
+
+    def _joined(self, handle: SnapshotHandle | None) -> SnapshotHandle | None:
+        """In-process recovery: processes wait to join (every rank saw the same count through the
+        save's all-reduce): commit this snapshot, then end the round on every rank together, so
+        that the next one includes them (and every rank reshards from this step)."""
+        if handle is not None and self.engine.vote is not None and inprocess.joiners_waiting(
+                self.engine.last_vote):
+            self.engine.wait()
+            raise inprocess.Regroup(self.engine.last_vote)
+        return handle
 
     def _auto_save(self, step: int) -> SnapshotHandle | None:
         """``every="auto"``. Every rank must take the same decision, so the interval changes
@@ -488,7 +499,7 @@ class Manager:
         handle = self.engine.save(step, state_dict)
         self._last_snap_step = step
         self._auto_ref = (time.perf_counter(), step)
-        return handle
+        return self._joined(handle)
 
     def _auto_update(self, step: int, step_s: float | None) -> None:
         assert self._auto is not None
