@@ -30,6 +30,8 @@ __all__ = [
     "PreconditionFailed",
     "ObjectNotFound",
     "StoreStats",
+    "Capabilities",
+    "UnsupportedOperation",
     "open_store",
     "check_key",
     "redact_url",
@@ -42,6 +44,44 @@ class PreconditionFailed(AegisError):
 
 class ObjectNotFound(AegisError):
     """The key does not exist."""
+
+
+class UnsupportedOperation(AegisError):
+    """The endpoint does not implement an operation (HTTP 501 NotImplemented) and aegis has no
+    other way to do what was asked."""
+
+
+# What each optional operation is for, and what aegis does without it (``aegis doctor`` prints
+# these; the README's durable-tier section has the same table).
+CAPABILITY_FALLBACKS: dict[str, tuple[str, str]] = {
+    "batch_delete": ("DeleteObjects (up to 1,000 keys per request)",
+                     "deletes one object per request: retention and cleanup take more requests"),
+    "list_multipart_uploads": ("ListMultipartUploads (find stale multipart uploads)",
+                               "records each in-flight multipart upload in a marker object under "
+                               ".aegis/uploads/ and aborts stale ones from those markers"),
+    "conditional_put": ("PutObject with If-None-Match: * (commit a manifest at most once)",
+                        "checks that the manifest is absent, puts it, then reads it back; weaker: "
+                        "two runs of the same job committing the same step at the same moment are "
+                        "not excluded (the last writer wins; each sees the other's manifest on "
+                        "read-back and refuses to go on)"),
+    "crc32c": ("S3 CRC32C checksums on uploads",
+               "uploads without a transport checksum; the manifest's own crc32c of every stored "
+               "object, checked at every download and by `aegis verify`, still catches damage"),
+}
+
+
+@dataclass
+class Capabilities:
+    """Which optional operations the endpoint supports: True, False (it answered 501
+    NotImplemented), or None (not used yet). Learned on first use, never by retrying."""
+
+    batch_delete: bool | None = None
+    list_multipart_uploads: bool | None = None
+    conditional_put: bool | None = None
+    crc32c: bool | None = None
+
+    def to_json(self) -> dict[str, bool | None]:
+        return {k: getattr(self, k) for k in CAPABILITY_FALLBACKS}
 
 
 @dataclass(frozen=True)
@@ -92,6 +132,7 @@ class ObjectStore(abc.ABC):
 
     url: str
     stats: StoreStats
+    capabilities: Capabilities = Capabilities(True, True, True, True)
 
     @abc.abstractmethod
     def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> None:
@@ -120,6 +161,16 @@ class ObjectStore(abc.ABC):
     def abort_stale_uploads(self, prefix: str, older_than_s: float) -> int:
         """Abort unfinished multipart uploads under ``prefix``; return how many."""
         return 0
+
+    def probe(self) -> Capabilities:
+        """Find out which optional operations the endpoint supports, by trying each once on a
+        probe key (``aegis doctor``). Stores without optional operations support everything."""
+        return self.capabilities
+
+    def take_notes(self) -> list[str]:
+        """Notes about degraded guarantees learned since the last call, each said once per
+        store (e.g. "no conditional put: ..."): for the console."""
+        return []
 
     def close(self) -> None:  # noqa: B027 - optional
         pass

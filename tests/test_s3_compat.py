@@ -1,0 +1,158 @@
+"""S3-compatible endpoints without some optional operations: the store learns from a 501 answer
+(never by retrying it) and uses its fallback. moto's server over HTTP behind the fault proxy's
+reduced-server mode; real boto3 clients."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+
+import boto3
+import botocore.exceptions as bexc
+import pytest
+
+from aegis.errors import AegisError, ConfigError
+from aegis.snapshot.objstore import CAPABILITY_FALLBACKS, PreconditionFailed, open_store
+from aegis.snapshot.retry import RetryPolicy
+from aegis.snapshot.s3 import MARKERS, S3Store, is_not_implemented, is_retryable
+from tests.s3_proxy import OPERATIONS, FaultProxy
+
+REDUCED = [(op,) for op in OPERATIONS] + [OPERATIONS]
+
+
+def _ids(ops: tuple[str, ...]) -> str:
+    return "no-" + "+".join(ops) if len(ops) < len(OPERATIONS) else "none-of-them"
+
+
+@pytest.fixture(params=REDUCED, ids=_ids)
+def reduced(request: pytest.FixtureRequest, s3_server: str, s3_bucket: str,
+            monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[S3Store, FaultProxy]]:
+    with FaultProxy(s3_server, rate=0.0, unsupported=request.param) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        store = open_store(f"s3://{s3_bucket}/pre", part_size=5 << 20)
+        assert isinstance(store, S3Store)
+        yield store, proxy
+        store.close()
+
+
+def _error(status: int, code: str) -> bexc.ClientError:
+    return bexc.ClientError({"Error": {"Code": code, "Message": "x"},
+                             "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
+
+
+def test_retry_classification() -> None:
+    for status, code in [(500, "InternalError"), (502, "BadGateway"), (503, "SlowDown"),
+                         (504, "GatewayTimeout"), (429, "TooManyRequests"), (400, "RequestTimeout"),
+                         (400, "ThrottlingException")]:
+        assert is_retryable(_error(status, code)), (status, code)
+    for status, code in [(501, "NotImplemented"), (400, "InvalidArgument"), (403, "AccessDenied"),
+                         (404, "NoSuchBucket"), (412, "PreconditionFailed"), (505, "HTTPVersion"),
+                         (403, "RequestTimeTooSkewed")]:
+        assert not is_retryable(_error(status, code)), (status, code)
+    assert is_not_implemented(_error(501, "NotImplemented"))
+    assert is_not_implemented(_error(400, "NotImplemented"))
+    assert not is_not_implemented(_error(500, "InternalError"))
+    assert is_retryable(bexc.EndpointConnectionError(endpoint_url="http://x"))
+    assert is_retryable(ConnectionResetError())
+
+
+def test_contract_on_a_reduced_server(reduced: tuple[S3Store, FaultProxy]) -> None:
+    store, proxy = reduced
+    store.check()
+    store.put("job/step-00000001/rank-00000/chunk-0000.zst", b"hello world")
+    store.put("job/step-00000001/manifest.json", b"{}", if_absent=True)
+    with pytest.raises(PreconditionFailed):
+        store.put("job/step-00000001/manifest.json", b"other", if_absent=True)
+    assert store.get("job/step-00000001/manifest.json") == b"{}"
+    big = os.urandom(11 << 20)  # multipart
+    store.put("job/big", big)
+    assert store.get_range("job/big", (5 << 20) - 2, (5 << 20) + 2) == big[(5 << 20) - 2:(5 << 20) + 2]
+    assert store.abort_stale_uploads("job/", 0.0) == 0
+    store.delete([o.key for o in store.list("job/")] + ["job/never-existed"])
+    assert list(store.list("job/")) == []
+    # Each missing operation was asked once, answered 501 once, and never retried.
+    caps = store.capabilities.to_json()
+    for op in OPERATIONS:
+        assert caps[op] is (op not in proxy.unsupported), (op, caps)
+    assert proxy.refused == {op: 1 for op in proxy.unsupported}, proxy.refused
+    assert store.stats.retries == 0
+    # ... and the console learns once what each costs.
+    notes = store.take_notes()
+    assert len(notes) == len(proxy.unsupported)
+    for op in proxy.unsupported:
+        assert any(CAPABILITY_FALLBACKS[op][0] in n for n in notes), (op, notes)
+    assert store.take_notes() == []
+
+
+def test_probe_reports_what_the_endpoint_supports(reduced: tuple[S3Store, FaultProxy]) -> None:
+    store, proxy = reduced
+    caps = store.probe().to_json()
+    assert caps == {op: op not in proxy.unsupported for op in OPERATIONS}
+    assert [o.key for o in store.list(".aegis/")] == []  # the probe object is gone
+
+
+def test_stale_uploads_are_aborted_from_markers_without_list_multipart_uploads(
+        s3_server: str, s3_bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    with FaultProxy(s3_server, rate=0.0, unsupported=("list_multipart_uploads",)) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        store = open_store(f"s3://{s3_bucket}/pre", part_size=5 << 20)
+        assert isinstance(store, S3Store)
+        assert store.abort_stale_uploads("job/", 0.0) == 0  # learns: no listing
+        assert store.capabilities.list_multipart_uploads is False
+
+        # A run dies in the middle of a multipart upload: its parts are up, never completed.
+        def killed(**kwargs: object) -> None:
+            raise KeyboardInterrupt  # stands in for the process dying: no abort either
+
+        with monkeypatch.context() as m:
+            m.setattr(store.client, "complete_multipart_upload", killed)
+            m.setattr(store.client, "abort_multipart_upload", killed)
+            m.setattr(store, "_delete_one", killed)
+            with pytest.raises(KeyboardInterrupt):
+                store.put("job/step-00000003/rank-00000/chunk-0000.zst", os.urandom(6 << 20))
+        # The marker of the killed upload stays (the process that would remove it is gone).
+        markers = [o.key for o in store.list(MARKERS)]
+        assert len(markers) == 1
+
+        direct = boto3.client("s3", endpoint_url=s3_server)
+        assert len(direct.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", [])) == 1
+        fresh = open_store(f"s3://{s3_bucket}/pre")  # the next run
+        assert fresh.abort_stale_uploads("other-job/", 0.0) == 0  # another job's: not touched
+        assert fresh.abort_stale_uploads("job/", 0.0) == 1
+        assert direct.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", []) == []
+        assert list(fresh.list(MARKERS)) == []
+        assert proxy.refused["list_multipart_uploads"] == 2  # once per store, never retried
+
+
+def test_error_messages_name_the_key_once(s3_bucket: str) -> None:
+    store = open_store(f"s3://{s3_bucket}/pre")
+    with pytest.raises(AegisError) as e:
+        store.get("j/m")
+    assert f"s3://{s3_bucket}/pre/j/m does not exist" in str(e.value)
+
+
+def test_missing_bucket_and_no_credentials_fail_fast(s3_env: dict, s3_bucket: str,
+                                                     monkeypatch: pytest.MonkeyPatch,
+                                                     tmp_path: object) -> None:
+    # Not after 9 retries and their backoff: one answer is enough.
+    store = open_store("s3://no-such-bucket-aegis/x", retry=RetryPolicy(max_attempts=10))
+    t = time.monotonic()
+    with pytest.raises(ConfigError, match="does not exist"):
+        store.check()
+    with pytest.raises(AegisError, match="NoSuchBucket"):
+        store.put("a/b", b"x")
+    assert time.monotonic() - t < 2.0
+    assert store.stats.retries == 0
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", f"{tmp_path}/none")
+    monkeypatch.setenv("AWS_CONFIG_FILE", f"{tmp_path}/none")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    store = open_store(f"s3://{s3_bucket}")
+    t = time.monotonic()
+    with pytest.raises(ConfigError, match="no AWS credentials"):
+        store.check()
+    with pytest.raises(ConfigError, match="no AWS credentials"):
+        store.put("a/b", b"x")
+    assert time.monotonic() - t < 2.0
