@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ import pytest
 
 from aegis.snapshot.durable import chunk_key, list_steps, manifest_key, retention_victims
 from aegis.snapshot.manifest import body_checksum
-from aegis.snapshot.objstore import open_store
+from aegis.snapshot.objstore import CAPABILITY_FALLBACKS, open_store
 from tests.dist_utils import run_ranks
 from tests.models import build, full_state, train_step
 from tests.test_manager import _tensors, assert_bitwise_equal
@@ -195,3 +196,96 @@ def test_sigkill_during_upload_leaves_no_committed_step_and_the_next_run_cleans_
     (_, _), (_, _) = run_ranks(2, _train_upload, str(store_dir), url, 4, {})
     committed, uncommitted = list_steps(store, JOB)
     assert uncommitted == [] and committed[-1] == 4
+
+
+# -- S3-compatible servers without some optional operations ------------------------------------
+
+REDUCED = [("list_multipart_uploads",), ("batch_delete",), ("conditional_put",), ("crc32c",),
+           ("list_multipart_uploads", "batch_delete", "conditional_put", "crc32c")]
+
+
+@pytest.mark.parametrize("unsupported", REDUCED, ids=lambda u: "no-" + "+".join(u) if len(u) < 4 else "none")
+def test_durable_tier_on_a_reduced_server(store_dir: Path, s3_server: str, s3_bucket: str, s3_env: dict,
+                                          unsupported: tuple[str, ...], capfd: pytest.CaptureFixture[str],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Half-uploaded step cleanup, uploads, retention, whole-job-loss restore (bitwise), `aegis
+    verify` and `aegis prune`, on a server answering 501 to the operations in ``unsupported``."""
+    from aegis._fault import fail_at
+    from aegis.cli import main
+    from tests.s3_proxy import FaultProxy
+
+    with FaultProxy(s3_server, rate=0.0, unsupported=unsupported) as proxy:
+        env = {**s3_env, "AWS_ENDPOINT_URL": proxy.url}
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        url = f"s3://{s3_bucket}/ckpt"
+        kill = {**env, "AEGIS_FAIL_AT": fail_at(0, 2, "upload")}  # chunks up, no manifest
+        with pytest.raises(RuntimeError, match="died"):
+            run_ranks(2, _train_upload, str(store_dir), url, 3, kill, env=kill)
+        store = open_store(url)
+        assert list_steps(store, JOB) == ([], [2])
+        # The next run starts (cleanup of the half-uploaded step included), uploads and prunes.
+        capfd.readouterr()
+        (saved, nxt0), (_, nxt1) = run_ranks(2, _train_upload, str(store_dir), url, 6, env)
+        assert list_steps(store, JOB) == ([4, 6], [])  # retention: last 2 and every 4th
+        err = capfd.readouterr().err
+        for op in unsupported:  # the console says what each missing operation costs, once
+            assert err.count(f"does not implement {CAPABILITY_FALLBACKS[op][0]}") == 1, (op, err)
+        shutil.rmtree(store_dir)  # whole-job loss
+        out = run_ranks(2, _restore, str(store_dir), url, env)
+        assert [o["step"] for o in out] == [6, 6], out
+        assert out[0]["tiers"] == ["durable"]
+        assert_bitwise_equal(saved, out[0]["full"])
+        assert [o["next"] for o in out] == [nxt0, nxt1]
+        capfd.readouterr()
+        assert main(["verify", url, "--job", JOB, "--all"]) == 0
+        assert main(["prune", url, "--job", JOB, "--keep-last", "1"]) == 0
+        assert list_steps(store, JOB) == ([6], [])
+        err = capfd.readouterr().err
+        assert "error" not in err, err
+        # Every missing operation was really asked for, answered 501, and never retried: per
+        # process at most the requests already in flight when the first 501 came back (4
+        # chunk uploads at a time), in 4 uploading rank processes (9 retries each would be 100s).
+        assert set(proxy.refused) == set(unsupported), proxy.refused
+        assert max(proxy.refused.values()) <= 4 * 4, proxy.refused
+
+
+def _upload_n(rank: int, world: int, store: str, url: str, env: dict, steps: int) -> Any:
+    import os
+
+    os.environ.update(env)
+    model, opt, sched = build(world)
+    mgr = _mgr(store, url, model, opt, sched, durable_every=1, durable_keep_last=1)
+    t = []
+    for step in range(1, steps + 1):
+        train_step(model, opt, sched, step, rank)
+        mgr.save(step)
+        mgr.wait()
+        t0 = time.monotonic()
+        mgr.wait_durable()
+        t.append(time.monotonic() - t0)
+    events = [json.loads(x) for x in Path(mgr.events.path).read_text().splitlines()]
+    mgr.close()
+    return {"uploads": [e for e in events if e["event"] == "upload"],
+            "skipped": [e for e in events if e["event"] == "upload_skipped"]}
+
+
+def test_retention_failure_is_a_warning_once_and_never_holds_up_uploads(
+        store_dir: Path, s3_server: str, s3_bucket: str, s3_env: dict,
+        capfd: pytest.CaptureFixture[str]) -> None:
+    from tests.s3_proxy import FaultProxy
+
+    with FaultProxy(s3_server, rate=0.0, deny_delete=True) as proxy:  # a policy without delete
+        env = {**s3_env, "AWS_ENDPOINT_URL": proxy.url}
+        url = f"s3://{s3_bucket}/keep"
+        out = run_ranks(2, _upload_n, str(store_dir), url, env, 5)
+    uploads = out[0]["uploads"]
+    assert [u["step"] for u in uploads] == [1, 2, 3, 4, 5]
+    assert all(u["committed"] and u["error"] is None for u in uploads), uploads
+    assert out[0]["skipped"] == [] and out[1]["skipped"] == []
+    assert proxy.counts["denied"] > 0
+    assert any(u["prune_error"] and "AccessDenied" in u["prune_error"] for u in uploads), uploads
+    assert list_steps(open_store(url), JOB)[0] == [1, 2, 3, 4, 5]  # nothing deleted, nothing lost
+    err = capfd.readouterr().err
+    warnings = [line for line in err.splitlines() if "durable retention" in line]
+    assert len(warnings) == 1, err  # once per cause, not once per upload
+    assert "could not delete step(s) 1" in warnings[0] and "AccessDenied" in warnings[0]

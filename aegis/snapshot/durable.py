@@ -14,6 +14,11 @@ its node store, then rank 0 gathers the chunk records over a dedicated group and
 manifest. Every rank processes the same uploads in the same order (rank 0 decides which
 committed steps are uploaded and the decision is broadcast with the commit), so the gather always
 pairs up.
+
+Retention runs apart from uploads, in a thread of its own on rank 0 (:class:`_Retention`): after
+each commit the uploader only asks for a pass; the pass has its own bounded retries, a failure
+is a console warning (once per cause) naming the steps it could not delete, and nothing an
+upload or a catch-up waits for ever waits on it.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import dataclasses
 import mmap
 import queue
 import re
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -36,6 +42,7 @@ from aegis.snapshot.codec import Codec, decode
 from aegis.snapshot.manifest import ChunkRecord, Manifest
 from aegis.snapshot.node_store import NodeStore
 from aegis.snapshot.objstore import ObjectNotFound, ObjectStore, PreconditionFailed
+from aegis.snapshot.retry import RetryPolicy
 from aegis.snapshot.shard import crc32c
 
 __all__ = [
@@ -45,6 +52,7 @@ __all__ = [
     "read_manifest",
     "retention_victims",
     "prune",
+    "RetentionError",
     "clean_uncommitted",
     "Uploader",
     "UploadResult",
@@ -109,27 +117,163 @@ def retention_victims(committed: Iterable[int], keep_last: int, keep_every: int)
     return [s for s in steps if s not in keep]
 
 
+class RetentionError(AegisError):
+    """Retention could not delete some steps; ``steps`` are those, ``cause`` the first error."""
+
+    def __init__(self, message: str, *, steps: list[int], removed: list[int], cause: str) -> None:
+        super().__init__(message)
+        self.steps = steps
+        self.removed = removed
+        self.cause = cause
+
+
 def prune(store: ObjectStore, job: str, keep_last: int, keep_every: int, *, dry_run: bool = False
           ) -> list[int]:
-    """Apply retention; manifests go first, so a half-deleted step is never committed."""
+    """Apply retention; manifests go first, so a half-deleted step is never committed.
+
+    A step that cannot be deleted is skipped (the others still go) and :class:`RetentionError`
+    names every such step afterwards."""
     committed, _ = list_steps(store, job)
     victims = retention_victims(committed, keep_last, keep_every)
-    if not dry_run:
-        for step in victims:
+    if dry_run:
+        return victims
+    removed: list[int] = []
+    failed: dict[int, str] = {}
+    for step in victims:
+        try:
             store.delete([manifest_key(job, step)])
             store.delete(o.key for o in store.list(step_prefix(job, step)))
-    return victims
+            removed.append(step)
+        except AegisError as e:
+            failed[step] = str(e)
+    if failed:
+        cause = next(iter(failed.values()))
+        raise RetentionError(
+            f"could not delete step(s) {', '.join(map(str, failed))} of job {job!r} from {store.url}: "
+            f"{cause}", steps=sorted(failed), removed=removed, cause=cause)
+    return removed
 
 
-def clean_uncommitted(store: ObjectStore, job: str, *, older_than_s: float = 0.0) -> list[int]:
-    """Remove half-uploaded steps (objects without a manifest) and abort stale multipart uploads.
+def _default_warn(message: str) -> None:
+    print(f"[aegis] warning: {message}", file=sys.stderr, flush=True)
 
-    Call when no upload of this job is running (at job start)."""
+
+def clean_uncommitted(store: ObjectStore, job: str, *, older_than_s: float = 0.0,
+                      warn: Callable[[str], None] | None = None) -> list[int]:
+    """Remove half-uploaded steps (objects without a manifest) and abort stale multipart uploads;
+    return the steps removed.
+
+    Call when no upload of this job is running (at job start), on one rank. A half-uploaded step
+    is not a step (no manifest), so one that cannot be removed is a warning, never a reason not
+    to start; so is an endpoint that cannot abort stale uploads."""
+    say = warn or _default_warn
     _, uncommitted = list_steps(store, job)
+    removed = []
     for step in uncommitted:
-        store.delete(o.key for o in store.list(step_prefix(job, step)))
-    store.abort_stale_uploads(f"{job}/", older_than_s)
-    return uncommitted
+        try:
+            store.delete(o.key for o in store.list(step_prefix(job, step)))
+            removed.append(step)
+        except AegisError as e:
+            say(f"could not remove the half-uploaded step {step} (objects without a manifest: not a "
+                f"committed step, never restored) from {store.url}: {e}")
+    try:
+        store.abort_stale_uploads(f"{job}/", older_than_s)
+    except AegisError as e:
+        say(f"could not abort stale multipart uploads under {store.url}/{job}/: {e}")
+    return removed
+
+
+def _cause_key(message: str) -> str:
+    """What stays the same when the same problem strikes other steps: keys and numbers out."""
+    return re.sub(r"\S+://\S+|[0-9]+", "", message)
+
+
+class _Retention:
+    """Rank 0's retention thread: passes requested by the uploader, run one at a time, each
+    with its own bounded retries; the uploader never waits on it."""
+
+    def __init__(self, store: ObjectStore, job: str, keep_last: int, keep_every: int,
+                 warn: Callable[[str], None], policy: RetryPolicy) -> None:
+        self.store, self.job, self.keep_last, self.keep_every = store, job, keep_last, keep_every
+        self.warn = warn
+        self.policy = policy
+        self._cv = threading.Condition()
+        self._wanted = False
+        self._running = False
+        self._stop = False
+        self._warned: set[str] = set()
+        self.removed: list[int] = []  # since the last take()
+        self.error: str | None = None
+        self._thread = threading.Thread(target=self._run, name="aegis-retention", daemon=True)
+        self._thread.start()
+
+    def request(self) -> None:
+        with self._cv:
+            self._wanted = True
+            self._cv.notify_all()
+
+    def take(self) -> tuple[list[int], str | None]:
+        """What passes removed, and the last error, since the last call (for upload events)."""
+        with self._cv:
+            out, self.removed, err, self.error = self.removed, [], self.error, None
+        return out, err
+
+    def wait_idle(self, timeout: float | None) -> bool:
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._wanted and not self._running, timeout)
+
+    def close(self, timeout: float) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        self._thread.join(timeout)  # a pass stuck in a request holds only a daemon thread
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._wanted or self._stop)
+                if not self._wanted:
+                    return
+                self._wanted, self._running = False, True
+            try:
+                self._pass()
+            except BaseException as e:  # noqa: BLE001 - the thread must live on; never silent
+                with contextlib.suppress(Exception):
+                    self.warn(f"durable retention failed: {type(e).__name__}: {e}")
+            finally:
+                with self._cv:
+                    self._running = False
+                    self._cv.notify_all()
+
+    def _pass(self) -> None:
+        done: list[int] = []
+
+        def once() -> None:
+            try:
+                done.extend(prune(self.store, self.job, self.keep_last, self.keep_every))
+            except RetentionError as e:
+                done.extend(e.removed)
+                raise
+
+        try:
+            self.policy.call(once, retryable=lambda e: isinstance(e, AegisError))
+        except AegisError as e:
+            steps = e.steps if isinstance(e, RetentionError) else []
+            cause = e.cause if isinstance(e, RetentionError) else f"{type(e).__name__}: {e}"
+            with self._cv:
+                self.removed += done
+                self.error = f"{type(e).__name__}: {e}"
+            key = _cause_key(cause)
+            if key not in self._warned:  # once per cause: the next passes fail the same way
+                self._warned.add(key)
+                what = (f"step(s) {', '.join(map(str, steps))}" if steps else "old steps")
+                self.warn(f"durable retention (keep_last={self.keep_last}, keep_every={self.keep_every}) "
+                          f"could not delete {what} from {self.store.url} after "
+                          f"{self.policy.max_attempts} attempts: {cause}. They stay (uploads go on; "
+                          "retention tries again after the next upload); said once per cause")
+            return
+        with self._cv:
+            self.removed += done
 
 
 @dataclass
@@ -166,6 +310,8 @@ class Uploader:
         unpin: Callable[[int], None],
         on_result: Callable[[UploadResult], None] | None = None,
         max_inflight: int = 4,
+        warn: Callable[[str], None] | None = None,
+        retention_retry: RetryPolicy | None = None,
     ) -> None:
         self.store = store
         self.node_store = node_store
@@ -184,8 +330,22 @@ class Uploader:
         self._idle = threading.Condition(self._lock)
         self.last_error: BaseException | None = None
         self.last_result: UploadResult | None = None
+        # Console warnings: the Manager passes its event log's; by default rank 0 prints.
+        self.warn = warn or (_default_warn if group.rank == 0 else (lambda message: None))
+        self._retention = _Retention(
+            store, self.job, keep_last, keep_every, self.warn,
+            retention_retry or RetryPolicy(max_attempts=3, max_total_s=120.0, initial_s=0.5,
+                                           max_backoff_s=5.0),
+        ) if group.rank == 0 else None
+        self._say_notes()  # what the start check learned about the endpoint
         self._thread = threading.Thread(target=self._run, name=f"aegis-upload-r{group.rank}", daemon=True)
         self._thread.start()
+
+    def _say_notes(self) -> None:
+        """Degraded guarantees the store learned (a missing optional operation): once each."""
+        for note in self.store.take_notes():
+            with contextlib.suppress(Exception):
+                self.warn(note)
 
     @property
     def pending(self) -> int:
@@ -201,7 +361,8 @@ class Uploader:
         self._queue.put(manifest)
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until every queued upload is finished."""
+        """Block until every queued upload is finished, then (within what is left of ``timeout``)
+        until a retention pass in progress is done; a slow retention raises nothing."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._idle:
             while self._pending:
@@ -209,6 +370,8 @@ class Uploader:
                 if remaining is not None and remaining <= 0:
                     raise AegisError(f"{self._pending} durable upload(s) still pending after {timeout} s")
                 self._idle.wait(remaining)
+        if self._retention is not None:
+            self._retention.wait_idle(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def close(self, timeout: float | None = None) -> int:
         """Finish the queued uploads, waiting at most ``timeout`` seconds; return how many were
@@ -221,6 +384,8 @@ class Uploader:
         self._queue.put(None)
         if not abandoned:
             self._thread.join(timeout=30)
+        if self._retention is not None:  # the pass asked for by the last upload still runs
+            self._retention.close(timeout=30 if timeout is None else max(1.0, timeout))
         return abandoned  # a stuck request holds only a daemon thread
 
     # -- background ----------------------------------------------------------------------------
@@ -296,12 +461,12 @@ class Uploader:
                     outcome = (True, "")
                 except Exception as e:  # noqa: BLE001 - sent to every rank
                     outcome = (False, f"rank 0 commit: {type(e).__name__}: {e}")
-                if outcome[0]:
-                    try:  # retention problems never turn a committed upload into a failed one
-                        result.pruned = prune(self.store, self.job, self.keep_last, self.keep_every)
-                    except Exception as e:  # noqa: BLE001
-                        result.prune_error = f"{type(e).__name__}: {e}"
+                if outcome[0] and self._retention is not None:
+                    # Retention runs on its own thread: it never holds up this or the next upload.
+                    result.pruned, result.prune_error = self._retention.take()
+                    self._retention.request()
         ok, message = self.group.broadcast(outcome, "durable commit")
+        self._say_notes()
         stats = self.store.stats
         result.requests = stats.requests - before.requests
         result.retries = stats.retries - before.retries
