@@ -334,7 +334,8 @@ def run_arm(arm: str, args: argparse.Namespace, spec: str, work: Path, extra: li
     work.mkdir(parents=True, exist_ok=True)
     job = f"bench-{arm}"
     loss_log = work / "loss.jsonl"
-    steps = args.kill_after + 2
+    # in-process: long enough for a replacement to start and join while the survivors train
+    steps = args.kill_after + (60 if arm == "aegis-inprocess" else 2)
     cmd = [SELF, "_trainer", spec, "--", "--steps", str(steps), "--batch-size",
            str(args.batch_size), "--job", job, "--loss-log", str(loss_log), *extra]
     cluster = SimCluster(work, cmd, nodes=args.nodes, job=job,
@@ -353,9 +354,18 @@ def run_arm(arm: str, args: argparse.Namespace, spec: str, work: Path, extra: li
         old = {p for n in survivors for p in cluster.nodes[n].workers()}
         last_logged = max(r["step"] for r in _jsonl(loss_log))
         t_kill = cluster.kill_node(victim)
+        t_replace: float | None = None
         if arm == "aegis-inprocess":
-            replacement = None
+            # shrink at once; once the survivors train again, a replacement (its own torchrun
+            # rendezvous: the running agents must not restart their workers) joins in place
             t_detect, spawned = None, {}
+            while not any(r["time"] > t_kill and r.get("world") == args.nodes - 1
+                          for r in _jsonl(loss_log)):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{arm}: the survivors never trained again; see {work}")
+                time.sleep(0.02)
+            t_replace = time.time()
+            replacement = cluster.add_node(solo=True).node_id
             cluster.wait_workers(max(deadline - time.monotonic(), 1))  # see wait_workers
             codes = {n: 0 if not cluster.nodes[n].workers() else None for n in cluster.alive_nodes()}
         else:
@@ -367,7 +377,8 @@ def run_arm(arm: str, args: argparse.Namespace, spec: str, work: Path, extra: li
     losses = _jsonl(loss_log)
     events = read_events(work)
     after = [e for e in events if e["time"] > t_kill]
-    restores = [e for e in after if e["event"] == "restore" and e.get("found")]
+    restores = [e for e in after if e["event"] == "restore" and e.get("found")
+                and (t_replace is None or e["time"] < t_replace)]  # not the grow round's
     if not restores:
         raise RuntimeError(f"{arm}: no restore after the kill (exit codes {codes}); see {work}")
     t_first_restore = min(e["time"] for e in restores)
@@ -377,7 +388,8 @@ def run_arm(arm: str, args: argparse.Namespace, spec: str, work: Path, extra: li
     t_up = max(e["time"] for e in starts)
     t_restored = max(e["time"] for e in restores)
     inproc: dict[str, Any] | None = None
-    recoveries = [e for e in after if e["event"] == "recovery"]
+    # the shrink's recovery events (a later grow round has no failure: failed_at is None)
+    recoveries = [e for e in after if e["event"] == "recovery" and e.get("failed_at")]
     if arm == "aegis-inprocess":
         if not recoveries:
             raise RuntimeError(f"{arm}: no in-process recovery after the kill; see {work}")
@@ -393,6 +405,20 @@ def run_arm(arm: str, args: argparse.Namespace, spec: str, work: Path, extra: li
                   "world_after": recoveries[0]["world_size"],
                   "survivor_pids_kept": sorted(old) == sorted(
                       {e["pid"] for e in starts if "pid" in e})}
+        # the replacement joining: the survivors' longest gap between two logged steps from its
+        # start until the first step trained by the grown world
+        grown = [r for r in losses if t_replace and r["time"] > t_replace and r["world"] == args.nodes]
+        if grown:
+            window = [r for r in losses if t_replace < r["time"] <= grown[0]["time"]]
+            before_first = [r for r in losses if r["time"] <= t_replace][-1:]
+            seq = before_first + window
+            inproc["replacement"] = {
+                "started_to_joined_s": grown[0]["time"] - t_replace,
+                "survivors_longest_stall_s": max(
+                    (b["time"] - a["time"] for a, b in zip(seq, seq[1:], strict=False)), default=None),
+                "steps_while_it_started": sum(1 for r in window if r["world"] == args.nodes - 1),
+                "joined_at_step": grown[0]["step"],
+            }
     redo = next((r for r in resumed if r["step"] == last_logged), None)
     nxt = next((r for r in resumed if r["step"] == last_logged + 1), None)
     t_redo = redo["time"] if redo is not None and restored < last_logged else t_restored
@@ -462,6 +488,24 @@ def report(doc: dict[str, Any]) -> str:
                     f"{f(rf['gbps'])} GB/s")
         if "error" in r:
             out += f"\n{arm}: ERROR {r['error'].splitlines()[0]}"
+        out += _inprocess_line(r)
+    return out
+
+
+def _inprocess_line(r: dict[str, Any]) -> str:
+    ip = r.get("in_process") or {}
+    out = ""
+    if ip:
+        out += (f"\n{r['arm']}: survivors kept their processes: {ip['survivor_pids_kept']}; "
+                f"teardown {f(ip['teardown_s'])} s, agree {f(ip['agree_s'])} s, new groups "
+                f"{f(ip['regroup_s'])} s, model + Manager rebuilt {f(ip['rebuild_s'])} s, restore "
+                f"{f(ip['restore_s'])} s")
+    rep = ip.get("replacement")
+    if rep:
+        out += (f"\n{r['arm']}: a replacement joined {f(rep['started_to_joined_s'])} s after it "
+                f"was started (at step {rep['joined_at_step']}; the survivors trained "
+                f"{rep['steps_while_it_started']} steps meanwhile); the survivors' longest stall: "
+                f"{f(rep['survivors_longest_stall_s'])} s")
     return out
 
 
@@ -475,8 +519,10 @@ def summary_md(doc: dict[str, Any]) -> str:
         rows.append([arm, *(f(p[k], ".1f") for k, _ in PHASES), f"**{f(p['total_s'], '.1f')}**",
                      f"{r['steps_lost']} ({r['restored_step']} of "
                      f"{r['last_step_logged_before_kill']})"])
-    return md_table(["node loss, seconds", *(label for _, label in PHASES),
-                     "kill -> past the old step", "steps lost (restored of reached)"], rows)
+    table = md_table(["node loss, seconds", *(label for _, label in PHASES),
+                      "kill -> past the old step", "steps lost (restored of reached)"], rows)
+    notes = "".join(_inprocess_line(r) for r in doc["arms"].values() if "phases" in r)
+    return table + ("\n" + notes.replace("\n", "\n\n") if notes else "")
 
 
 def plot(doc: dict[str, Any], path: Path) -> None:

@@ -136,8 +136,12 @@ class SimCluster:
             self.add_node()
         return self
 
-    def add_node(self) -> SimNode:
-        """Start a node with a new id and an empty node store (a replacement, or the first)."""
+    def add_node(self, *, solo: bool = False) -> SimNode:
+        """Start a node with a new id and an empty node store (a replacement, or the first).
+
+        ``solo``: its agent forms a rendezvous of its own (``--nnodes=1``, its own id), so the
+        running agents see no node waiting and do not restart their workers: an in-process job
+        (``--in-process``) admits the new workers itself, through the membership store."""
         index = self._next
         node_id = f"node-{index}"
         self._next += 1
@@ -150,7 +154,7 @@ class SimCluster:
         addr = "127.0.0.1"
         if self.network is not None:
             addr = self.network.add(index).addr
-        return self._launch(node_id, index, store_dir, addr)
+        return self._launch(node_id, index, store_dir, addr, solo=solo)
 
     def relaunch(self) -> list[str]:
         """Start a new agent on every node whose agent exited (not killed), keeping its node
@@ -168,7 +172,8 @@ class SimCluster:
     def rdzv_id(self) -> str:
         return self.job if not self.generation else f"{self.job}-{self.generation}"
 
-    def _launch(self, node_id: str, index: int, store_dir: Path, addr: str) -> SimNode:
+    def _launch(self, node_id: str, index: int, store_dir: Path, addr: str, *,
+                solo: bool = False) -> SimNode:
         prefix: list[str] = []
         extra_env: dict[str, str] = {}
         if self.network is not None:
@@ -182,11 +187,11 @@ class SimCluster:
         cmd = [
             *prefix,
             sys.executable, "-m", "torch.distributed.run",
-            f"--nnodes={self.min_nodes}:{self.max_nodes}",
+            "--nnodes=1" if solo else f"--nnodes={self.min_nodes}:{self.max_nodes}",
             f"--nproc_per_node={self.nproc}",
             "--rdzv_backend=c10d",
             f"--rdzv_endpoint={self.host}:{self.port}",
-            f"--rdzv_id={self.rdzv_id}",
+            f"--rdzv_id={self.rdzv_id}-solo-{index}" if solo else f"--rdzv_id={self.rdzv_id}",
             f"--rdzv_conf={rdzv_conf}",
             f"--max_restarts={self.max_restarts}",
             "--monitor_interval=0.1",

@@ -370,7 +370,57 @@ def _teardown() -> None:
     for m in managers:
         with contextlib.suppress(Exception):
             m.abort(begin=False)
+    _clear_dtensor_caches()
     gc.collect()
+
+
+def _clear_dtensor_caches() -> None:
+    """DTensor's caches keyed by DeviceMesh that are not per thread hold the failed round's
+    meshes, and through them its groups: drop them (see :func:`_run_round` for why each round
+    runs in a thread of its own)."""
+    with contextlib.suppress(Exception):
+        from torch.distributed.tensor import DTensor
+
+        sp = DTensor._op_dispatcher.sharding_propagator
+        sp.propagate_op_sharding = type(sp.propagate_op_sharding)(sp.propagate_op_sharding_non_cached)
+        type(sp)._propagate_tensor_meta_cached.cache_clear()
+    with contextlib.suppress(Exception):
+        from torch.distributed.tensor._collective_utils import MeshTopoInfo
+
+        MeshTopoInfo.build_from_mesh.cache_clear()
+
+
+
+def _run_round(train: Callable[[World], Any], world: World) -> Any:
+    """``train(world)`` in a thread of its own, one per round. A DeviceMesh compares equal to an
+    earlier round's mesh of the same shape unless it was made in another thread (equality looks
+    at the rank map, layout, device type, names and the creating thread, not at the process
+    group or this rank's coordinate), and DTensor caches sharding decisions by mesh, per thread.
+    Measured here in one thread: a survivor whose rank changed between rounds got tensors on the
+    earlier round's mesh, with its old coordinate, and planned its shards at its old rank's
+    offsets (DCP: "invalid fill ... chunks-volume"). A thread per round gives each round meshes
+    of its own and empty thread-local caches."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        _active.on = True
+        try:
+            box["result"] = train(world)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller below
+            box["error"] = e
+        finally:
+            _active.on = False
+
+    thread = threading.Thread(target=run, name=f"aegis-round-{world.round}", daemon=True)
+    thread.start()
+    thread.join()
+    error = box.pop("error", None)
+    if error is not None:
+        try:
+            raise error
+        finally:
+            del error
+    return box.get("result")
 
 
 def _register_and_wait(store: dist.TCPStore, uid: str, timeout_s: float) -> tuple[int, list[str], int]:
@@ -473,17 +523,12 @@ def run_in_process(
             publish_ports()  # the default group's listener
             if on_round is not None:
                 on_round(world)
-            _active.on = True
             try:
-                result = train(world)
-                _active.on = False
-                return result
+                return _run_round(train, world)
             except Regroup as e:  # every rank, after the same committed snapshot
-                _active.on = False
                 registered = e.registered
                 failed_at = None
             except BaseException as e:
-                _active.on = False
                 if not is_peer_failure(e) or restarts >= max_restarts:
                     raise
                 failed_at = time.time()
