@@ -21,20 +21,24 @@ which a failure still loses it):
   doi:10.1016/j.future.2004.11.016): ``T = sqrt(2 C M) (1 + sqrt(C/(2M))/3 + C/(18 M)) - C``
   for ``C < 2 M``, else ``T = M``. Its published examples (C = 5 min, R = 10 min; M = 24 h,
   6 h, 15 min -> 117, 57 and 9.1 min) are reproduced in ``tests/test_goodput.py``.
-* Expected losses (periodic snapshots every ``T`` seconds of work): a fraction ``T / (T + C)``
-  of the running time does work, and every interruption (``1/M`` per second of wall time,
-  restarts included) costs ``R`` plus the work since the last commit, ``a(T + C) + L``::
+* Expected losses (periodic snapshots every ``T`` seconds of work), failures striking at any
+  time at ``lam = 1/M`` per second, restarts included (one during a recovery starts it over)::
 
-      goodput    = T/(T+C) * (1 - (R + a(T+C) + L) / M)
-      restart    = R / M
-      recompute  = (a(T+C) + L) / M
-      checkpoint = C/(T+C) * (1 - (R + a(T+C) + L) / M)
+      running    = exp(-lam R)                       (fraction of wall time not recovering)
+      goodput    = T/(T+C) * running * (1 - lam (a(T+C) + L))
+      restart    = 1 - running
+      recompute  = running * lam (a(T+C) + L)
+      checkpoint = C/(T+C) * running * (1 - lam (a(T+C) + L))
 
-  ``a(s)`` is the mean time since the start of a segment of length ``s`` at a failure: ``s/2``
-  when the failure point is uniform, ``1/mu - s/(exp(mu s) - 1) = s/2 - mu s^2/12 + ...`` for
-  exponential failures at ``mu`` per second of running time (used here). To first order this
-  is the textbook waste ``C/T + (T/2 + R)/M``; for one level it matches a Monte-Carlo
-  simulation of exponential failures within its sampling error (``tests/test_goodput.py``).
+  ``a(s) = 1/lam - s/(exp(lam s) - 1)`` is the mean time since the start of a segment of length
+  ``s`` at an exponential failure within it (``s/2 - lam s^2/12 + ...``). Without latency this
+  is exactly ``T / E[T_seg]`` with the expected time of one segment
+  ``E[T_seg] = exp(lam R) (exp(lam (T + C)) - 1) / lam`` (J. T. Daly 2006, above; G. Bougeret,
+  H. Casanova, M. Rabie, Y. Robert, F. Vivien, "Checkpointing strategies for parallel jobs",
+  SC 2011, doi:10.1145/2063384.2063428). To first order it is the textbook waste
+  ``C/T + (T/2 + R)/M``. ``tests/test_goodput.py`` checks it against a Monte-Carlo simulation
+  of that process (its own code, no formula of this module) within 0.2 points for restart
+  costs up to 0.3 M.
 * Two levels (memory + durable): memory snapshots every ``T1`` recover the failures a node's
   replicas survive (rate ``lam1``, cost ``R1``); every ``n``-th snapshot is also made durable
   (blocking ``C2`` instead of ``C1``) and recovers the rest (rate ``lam2``: lost replica sets,
@@ -47,12 +51,17 @@ which a failure still loses it):
       n* = sqrt((C2 - C1) lam1 / (C1 lam2))            (best neighbouring integer >= 1)
       n T1 = sqrt(2 ((n-1) C1 + C2) / (lam1/n + lam2))
 
-  which reduces to Young's formula with one level. Expected losses of a pattern are those of
-  the single-level model with the per-level average loss: a memory-recovered failure loses the
+  which reduces to Young's formula with one level (the intervals are first-order optima; the
+  losses below are not first order). Expected losses of a pattern are those of the
+  single-level model with the per-level average loss: a memory-recovered failure loses the
   time since the last snapshot of either kind, a durable-recovered one the time since the last
-  durable snapshot.
+  durable snapshot. A failure during a recovery starts a recovery of its own kind, so the
+  running fraction is ``sum_k p_k exp(-lam R_k)`` (``p_k``: the share of failures of kind
+  ``k``); a durable one also sends the position back to the last durable snapshot (see
+  :func:`two_level_waste`).
 
-Failure rates are interruptions per second of wall clock (restarts included), as reported by
+Failure rates are interruptions per second of wall clock (restarts included, and failures
+strike during restarts too), as reported by
 large runs, e.g. Llama 3 405B: 419 unexpected interruptions in 54 days on 16,384 GPUs
 ("The Llama 3 Herd of Models", arXiv:2407.21783, section 3.3.4, table 5).
 """
@@ -172,24 +181,36 @@ def two_level_waste(interval_s: float, n: int, memory: TierCosts, durable: TierC
     s_dur = interval_s + durable.snapshot_s
     pattern = (n - 1) * s_mem + s_dur
     work = n * interval_s / pattern
-    restart = memory_rate * memory.recovery_s + durable_rate * durable.recovery_s
-    if memory_rate + durable_rate == 0:
+    lam = memory_rate + durable_rate
+    if lam == 0:
         return Waste(checkpoint=1.0 - work, recompute=0.0, restart=0.0, goodput=work)
-    if restart >= 1.0:  # failures come faster than the job restarts
-        return Waste(checkpoint=0.0, recompute=0.0, restart=1.0, goodput=0.0)
-    # Failures per second of running time (restarts excluded).
-    mu = (memory_rate + durable_rate) / (1.0 - restart)
-    # Time since the segment began at a failure: the mean age of an exponential arrival within a
-    # segment of length s, s/2 - mu s^2/12 + ... (s/2 for a uniformly random failure point).
-    e_mem = ((n - 1) * s_mem * _age(s_mem, mu) + s_dur * _age(s_dur, mu)) / pattern + memory.latency_s
-    # Only durable-recovered failures move the position back to a durable snapshot.
-    e_dur = _age(pattern, mu * durable_rate / (memory_rate + durable_rate)) + durable.latency_s
-    recompute = memory_rate * e_mem + durable_rate * e_dur
-    lost = restart + recompute
-    if lost >= 1.0:  # the job never gets anywhere: all time goes to failures
-        return Waste(checkpoint=0.0, recompute=recompute / lost, restart=restart / lost, goodput=0.0)
-    return Waste(checkpoint=(1.0 - work) * (1.0 - lost), recompute=recompute, restart=restart,
-                 goodput=work * (1.0 - lost))
+    p_mem, p_dur = memory_rate / lam, durable_rate / lam
+    # Failures strike at any time, recoveries included; one during a recovery starts a new
+    # recovery, of its own kind. A recovery of length R ends before the next failure with
+    # probability exp(-lam R), so the time to get back to running after a failure is
+    # (Q/lam)/(1 - Q), Q = sum_k p_k (1 - exp(-lam R_k)), and the fraction of the wall clock
+    # spent running is 1 - Q (exp(-lam R) for one level: Daly 2006, Bougeret et al. 2011).
+    q_mem = -math.expm1(-lam * memory.recovery_s)
+    q_dur = -math.expm1(-lam * durable.recovery_s)
+    running = 1.0 - (p_mem * q_mem + p_dur * q_dur)
+    # A durable failure during a recovery that a memory failure began also sends the position
+    # back to the last durable snapshot: the chain meets one with probability d.
+    d = q_mem * p_dur / (1.0 - q_mem * p_mem) if memory_rate > 0 else 0.0
+    # While running, failures come at lam per second. Time since the segment began at a failure:
+    # the mean age of an exponential arrival within a segment of length s, s/2 - lam s^2/12 + ...
+    e_mem = ((n - 1) * s_mem * _age(s_mem, lam) + s_dur * _age(s_dur, lam)) / pattern + memory.latency_s
+    # Only durable rollbacks move the position back to a durable snapshot.
+    e_dur = _age(pattern, durable_rate + memory_rate * d) + durable.latency_s
+    # Lost work per second of running: exactly lam a(s) (= 1 - lam s/(exp(lam s) - 1)) for one
+    # level without latency, which makes goodput W / E[T] with the exact expectation
+    # E[T] = exp(lam R) (exp(lam (W + C)) - 1) / lam of a segment.
+    lost_running = memory_rate * ((1.0 - d) * e_mem + d * max(e_mem, e_dur)) + durable_rate * e_dur
+    restart = 1.0 - running
+    if lost_running >= 1.0:  # the job never gets anywhere: failures take all the running time
+        return Waste(checkpoint=0.0, recompute=running, restart=restart, goodput=0.0)
+    return Waste(checkpoint=(1.0 - work) * running * (1.0 - lost_running),
+                 recompute=running * lost_running, restart=restart,
+                 goodput=work * running * (1.0 - lost_running))
 
 
 def _age(s: float, mu: float) -> float:
