@@ -5,6 +5,8 @@ Import surface for training scripts::
     from aegis import Manager, ModelOptimizerState
 """
 
+from typing import TYPE_CHECKING, Any
+
 from aegis.errors import (
     AegisError,
     CollectiveError,
@@ -19,10 +21,39 @@ from aegis.errors import (
     StepOrderError,
     StoreFullError,
 )
-from aegis.training.config import ManagerConfig
-from aegis.training.inprocess import RecoveryGaveUp, World, run_in_process
-from aegis.training.manager import Manager
-from aegis.training.state import ModelOptimizerState, PerRank, Replicated, per_rank, replicated
+
+if TYPE_CHECKING:
+    from aegis.training.config import ManagerConfig
+    from aegis.training.inprocess import RecoveryGaveUp, World, run_in_process
+    from aegis.training.manager import Manager
+    from aegis.training.state import ModelOptimizerState, PerRank, Replicated, per_rank, replicated
+
+# Imported on first use: the training API imports torch (seconds), which the ``aegis`` command
+# needs only for the commands that read snapshots (``aegis plan --help`` starts without it).
+_LAZY = {
+    "ManagerConfig": "aegis.training.config",
+    "RecoveryGaveUp": "aegis.training.inprocess",
+    "World": "aegis.training.inprocess",
+    "run_in_process": "aegis.training.inprocess",
+    "Manager": "aegis.training.manager",
+    "ModelOptimizerState": "aegis.training.state",
+    "PerRank": "aegis.training.state",
+    "Replicated": "aegis.training.state",
+    "per_rank": "aegis.training.state",
+    "replicated": "aegis.training.state",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'aegis' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __version__ = "0.1.0"
 

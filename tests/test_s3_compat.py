@@ -156,3 +156,66 @@ def test_missing_bucket_and_no_credentials_fail_fast(s3_env: dict, s3_bucket: st
     with pytest.raises(ConfigError, match="no AWS credentials"):
         store.put("a/b", b"x")
     assert time.monotonic() - t < 2.0
+
+
+def test_doctor_shows_what_the_endpoint_supports(s3_server: str, s3_bucket: str,
+                                                 monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from aegis.cli import main
+
+    with FaultProxy(s3_server, rate=0.0, unsupported=("batch_delete", "crc32c")) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        assert main(["doctor", f"s3://{s3_bucket}/ckpt", "--json"]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert doc["schema"] == "aegis.doctor/1"
+        assert doc["capabilities"] == {"batch_delete": False, "list_multipart_uploads": True,
+                                       "conditional_put": True, "crc32c": False}
+        assert set(doc["fallbacks"]) == {"batch_delete", "crc32c"}
+        assert main(["doctor", f"s3://{s3_bucket}/ckpt"]) == 0
+        out = capsys.readouterr().out
+        assert "deletes one object per request" in out and "2 optional operation(s) missing" in out
+        assert main(["doctor", "s3://no-such-bucket-aegis/x"]) == 2  # a wrong URL is bad input
+        assert "does not exist" in capsys.readouterr().err
+
+
+def test_plan_and_doctor_do_not_import_torch() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom aegis.cli import main\n"
+            "for args in (['--help'], ['plan', '--help'], ['doctor', '--help'],\n"
+            "             ['plan', '--nodes', '4', '--mtbf-node-hours', '1000', '--snapshot-s', '1', '--restart-s', '60', '--restore-s', '5']):\n"
+            "    assert main(args) == 0, args\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\n"
+            "main(['ls', '/nonexistent-aegis-dir'])\n"
+            "assert 'torch' in sys.modules  # the commands reading snapshots do import it\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
+def test_prune_on_reduced_and_refusing_servers(s3_server: str, s3_bucket: str,
+                                               monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    from aegis.cli import main
+    from aegis.snapshot.durable import list_steps, manifest_key
+
+    store = open_store(f"s3://{s3_bucket}/ckpt")
+    for step in (1, 2, 3):
+        store.put(manifest_key("j", step), b"{}")
+        store.put(f"j/step-{step:08d}/rank-00000/chunk-0000.zst", b"x")
+    url = f"s3://{s3_bucket}/ckpt"
+    # A store that refuses deletes (403): exit 1, the steps named, nothing lost.
+    with FaultProxy(s3_server, rate=0.0, deny_delete=True) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        assert main(["prune", url, "--job", "j", "--keep-last", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "could not delete step(s) 1, 2" in err and "AccessDenied" in err, err
+    assert list_steps(store, "j") == ([1, 2, 3], [])
+    # A server without batch delete: prune works (exit 0), one request per object.
+    with FaultProxy(s3_server, rate=0.0, unsupported=("batch_delete",)) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        assert main(["prune", url, "--job", "j", "--keep-last", "1"]) == 0
+    assert "does not implement DeleteObjects" in capsys.readouterr().err
+    assert list_steps(store, "j") == ([3], [])

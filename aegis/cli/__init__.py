@@ -14,11 +14,12 @@ Commands::
     aegis diff URI_A URI_B [--step A [--step B]]
     aegis export URI OUT --format dcp|torch|safetensors [--step N]
     aegis prune URI --keep-last N [--keep-every K] [--dry-run]
+    aegis doctor URL                             what a durable store supports, and the fallbacks
     aegis plan --nodes N (--mtbf-node-hours H | --failures-per-day F) [costs]
                                                  snapshot intervals, goodput, cost of failures
 
-Exit codes: 0 success; 1 verification failed, bytes are corrupt, or (``diff``) the snapshots
-differ; 2 bad input (URI, step, option, unreadable manifest); 3 internal error (a bug: run with
+Exit codes: 0 success; 1 verification failed, bytes are corrupt, (``diff``) the snapshots
+differ, or (``prune``) the store refused to delete some steps; 2 bad input (URI, step, option, unreadable manifest); 3 internal error (a bug: run with
 ``AEGIS_DEBUG=1`` for the traceback). Errors are one line on stderr: ``aegis: error: ...``.
 
 Nothing is unpickled unless ``--unsafe-load-objects`` is given: aegis shards hold raw tensor
@@ -53,6 +54,8 @@ Fields are only ever added within a schema version. Sizes are bytes, times are U
   bytes, seconds``.
 * ``aegis.prune/1``: ``uri, tier, job, dry_run, keep_last, keep_every, committed, removed,
   kept`` (lists of steps, ascending).
+* ``aegis.doctor/1``: ``uri, capabilities: {batch_delete, list_multipart_uploads,
+  conditional_put, crc32c: bool}, fallbacks: {operation: what aegis does without it}, notes``.
 * ``aegis.plan/1``: see :mod:`aegis.cli.plan`.
 """
 
@@ -67,7 +70,7 @@ import traceback
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich.table import Table
@@ -80,6 +83,7 @@ from aegis.cli._common import (
     EXIT_USAGE,
     Bar,
     CliError,
+    FailedError,
     fmt_age,
     fmt_bytes,
     fmt_shape,
@@ -87,12 +91,28 @@ from aegis.cli._common import (
     show,
     stdout_console,
 )
-from aegis.cli._sources import TIER_DCP, Failure, Snapshot, Source, StepRow, pick, resolve
 from aegis.errors import AegisError, CorruptShardError
-from aegis.snapshot.manifest import TensorEntry
-from aegis.snapshot.node_store import default_store_root
+
+if TYPE_CHECKING:
+    from aegis.cli._sources import TIER_DCP, Failure, Snapshot, Source, StepRow, pick, resolve
+    from aegis.snapshot.manifest import TensorEntry
+    from aegis.snapshot.node_store import default_store_root
 
 __all__ = ["cli", "main"]
+
+_LIGHT = {"plan", "doctor"}  # commands that never read a snapshot: no torch import (seconds)
+
+
+def _load_heavy() -> None:
+    """Bind the snapshot readers (they import torch) for the commands that read snapshots."""
+    from aegis.cli import _sources
+    from aegis.snapshot.manifest import TensorEntry
+    from aegis.snapshot.node_store import default_store_root
+
+    globals().update(TIER_DCP=_sources.TIER_DCP, Failure=_sources.Failure, Snapshot=_sources.Snapshot,
+                     Source=_sources.Source, StepRow=_sources.StepRow, pick=_sources.pick,
+                     resolve=_sources.resolve, TensorEntry=TensorEntry,
+                     default_store_root=default_store_root)
 
 _TIER_ORDER = {"memory": 0, "durable": 1, "dcp": 2}
 
@@ -127,13 +147,16 @@ unsafe_option = click.option(
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="aegis", prog_name="aegis")
-def cli() -> None:
+@click.pass_context
+def cli(ctx: click.Context) -> None:
     """List, inspect, verify, diff, export and prune aegis snapshots (and plain DCP checkpoints).
 
     URI: a node store directory (/dev/shm/aegis, or /dev/shm/aegis/JOB), a durable root
     (file:///path, s3://bucket/prefix), or a DCP checkpoint directory.
     Exit codes: 0 ok, 1 verification failed / snapshots differ, 2 bad input, 3 internal error.
     """
+    if ctx.invoked_subcommand not in _LIGHT:
+        _load_heavy()
 
 
 # -- ls ------------------------------------------------------------------------------------------
@@ -650,10 +673,19 @@ def prune_cmd(uri: str, keep_last: int, keep_every: int, dry_run: bool, job: str
     """Apply the durable tier's retention by hand: keep the last N committed steps and every K-th;
     the newest committed step is never removed. Manifests go first, so a step is never left
     half-removed and still committed. Do not prune a node store a running job is using."""
+    from aegis.snapshot.durable import RetentionError
+    from aegis.snapshot.objstore import ObjectStore
+
     src = _open_one(uri, job)
     try:
         committed = src.committed()
         removed = src.prune(keep_last, keep_every, dry_run=dry_run)
+        store = getattr(src, "store", None)
+        for note in store.take_notes() if isinstance(store, ObjectStore) else ():  # what it lacks
+            click.echo(f"aegis: note: {note}", err=True)
+    except RetentionError as e:  # the store refused: not bad input
+        raise FailedError(f"{e} (removed: {', '.join(map(str, e.removed)) or 'none'}; the others "
+                          "are still committed)") from e
     finally:
         src.close()
     kept = [s for s in committed if s not in set(removed)]
@@ -683,6 +715,61 @@ def prune_cmd(uri: str, keep_last: int, keep_every: int, dry_run: bool, job: str
         show(console, table)
     console.print(f"{'would remove' if dry_run else 'removed'} {len(removed)} of {len(committed)} committed "
                   f"step(s) in {src.uri}")
+    return EXIT_OK
+
+
+# -- doctor --------------------------------------------------------------------------------------
+
+
+@cli.command("doctor")
+@click.argument("url")
+@json_option
+def doctor_cmd(url: str, as_json: bool) -> int:
+    """What a durable store URL supports: reachability, bucket and credentials, then each
+    optional S3 operation (batch delete, ListMultipartUploads, conditional put, CRC32C), tried
+    once on a probe object under .aegis/ that is removed again, and what aegis does without it."""
+    from aegis.snapshot.objstore import CAPABILITY_FALLBACKS, open_store
+    from aegis.snapshot.retry import RetryPolicy
+
+    opts: dict[str, Any] = {}
+    if url.startswith("s3://"):
+        opts = {"retry": RetryPolicy(max_attempts=3, max_total_s=30.0), "connect_timeout_s": 5.0}
+    try:
+        store = open_store(url, **opts)
+    except AegisError as e:
+        raise CliError(str(e)) from e
+    try:
+        store.check()
+        caps = store.probe().to_json()
+        notes = store.take_notes()
+    except AegisError as e:
+        raise CliError(str(e)) from e
+    finally:
+        store.close()
+    if as_json:
+        _emit_json({"schema": "aegis.doctor/1", "uri": store.url, "capabilities": caps,
+                    "fallbacks": {k: CAPABILITY_FALLBACKS[k][1] for k, v in caps.items() if not v},
+                    "notes": notes})
+        return EXIT_OK
+    console = stdout_console()
+    if not url.startswith("s3://"):
+        console.print(f"{store.url}: a writable local directory; every operation is native")
+        return EXIT_OK
+    table = Table(box=None, header_style="bold", pad_edge=False)
+    table.add_column("operation")
+    table.add_column("supported")
+    table.add_column("without it, aegis ...", overflow="fold")
+    for k, ok in caps.items():
+        table.add_row(CAPABILITY_FALLBACKS[k][0], Text("yes" if ok else "no", style="green" if ok else "yellow"),
+                      "" if ok else CAPABILITY_FALLBACKS[k][1])
+    console.print(f"{store.url}: reachable, bucket and credentials ok")
+    show(console, table)
+    missing = [k for k, ok in caps.items() if not ok]
+    console.print("every optional operation is supported" if not missing else
+                  f"{len(missing)} optional operation(s) missing: aegis works, with the costs above")
+    for note in notes:
+        if not any(CAPABILITY_FALLBACKS[k][0] in note for k in missing):
+            click.echo(f"aegis: note: {note}", err=True)
     return EXIT_OK
 
 

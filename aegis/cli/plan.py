@@ -218,7 +218,7 @@ def _print(p: Plan, measured: Measured, used: dict[str, str]) -> None:
         t.add_column(col, justify="left" if col == "strategy" else "right", no_wrap=True)
     for s in p.strategies:
         durable = ("-" if s.durable_interval_s is None else _dur(s.durable_interval_s)
-                   + (f" (every {s.durable_every_n})" if s.memory_interval_s is not None else ""))
+                   + (f" (n={s.durable_every_n})" if s.memory_interval_s is not None else ""))
         row = [s.name, _dur(s.memory_interval_s) if s.memory_interval_s else "-", durable,
                _pct(s.waste.checkpoint), _pct(s.waste.recompute), _pct(s.waste.restart),
                _pct(s.waste.goodput), f"{s.gpu_hours_lost_per_day:,.1f}"]
@@ -235,8 +235,8 @@ def _print(p: Plan, measured: Measured, used: dict[str, str]) -> None:
     for note in p.notes:
         console.print(f"note: {note}")
     if any(s.memory_interval_s is not None and s.durable_interval_s is not None for s in p.strategies):
-        console.print("durable (every N): every N-th memory snapshot is also uploaded (N - 1 memory "
-                      "snapshots per durable one)")
-    console.print("restart = restart + restore, failures during it included; recompute = work since "
-                  "the last commit; intervals: Young/Daly and the first-order multi-level optimum; "
-                  "losses: exponential failures at any time, exact for one level (see aegis.goodput)")
+        console.print("durable (n=N): every N-th snapshot is also uploaded; N - 1 memory-only ones between")
+    console.print("restart = restart + restore (failures during it included); recompute = work since "
+                  "the last commit")
+    console.print("intervals: Young, Daly, first-order multi-level; losses: failures at any time, exact "
+                  "for one level")
