@@ -13,6 +13,7 @@ Credentials never go into a URL (they would end up in events and logs): boto3 fi
 from __future__ import annotations
 
 import abc
+import builtins
 import contextlib
 import os
 import re
@@ -167,7 +168,7 @@ class ObjectStore(abc.ABC):
         probe key (``aegis doctor``). Stores without optional operations support everything."""
         return self.capabilities
 
-    def take_notes(self) -> list[str]:
+    def take_notes(self) -> builtins.list[str]:
         """Notes about degraded guarantees learned since the last call, each said once per
         store (e.g. "no conditional put: ..."): for the console."""
         return []
