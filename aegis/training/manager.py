@@ -174,6 +174,7 @@ class Manager:
                 pin=self.engine.pin,
                 unpin=self.engine.unpin,
                 on_result=self._on_upload,
+                warn=self.events.warn,
             )
         self.last_restore: RestoreResult | None = None
         self._closed = False
@@ -423,7 +424,10 @@ class Manager:
             f"restored step {result.step} ({format_bytes(result.manifest.total_bytes)} from "
             f"{result.manifest.world_size} rank(s) -> {self.world}) in {total * 1e3:.0f} ms; rank 0 "
             f"read {format_bytes(nbytes)} from {'+'.join(tiers) or 'nothing'}"
-            + (f", fetched {format_bytes(result.bytes_fetched)} from peers" if result.bytes_fetched else "")
+            + (f", fetched {format_bytes(result.bytes_fetched)} from "
+               + " and ".join(w for t, w in (("peer", "peers"), ("durable", "the durable tier"))
+                              if t in tiers)
+               if result.bytes_fetched else "")
             + (f"; skipped: {'; '.join(result.skipped)}" if result.skipped else "")
         )
         self._restored(result.step)

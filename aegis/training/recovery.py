@@ -66,7 +66,7 @@ class RestoreResult:
     sources: list[dict[str, Any]] = field(default_factory=list)  # one per shard this rank read
     timings: dict[str, float] = field(default_factory=dict)
     bytes_read: int = 0
-    bytes_fetched: int = 0  # received from peers by this rank
+    bytes_fetched: int = 0  # received from peers or downloaded from the durable tier by this rank
     skipped: list[str] = field(default_factory=list)
 
 
