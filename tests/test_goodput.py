@@ -382,6 +382,16 @@ def test_plan_command_table_json_and_errors(tmp_path: Path) -> None:
     assert names == ["durable only", "memory + durable"]
     for s in doc["strategies"]:
         assert s["gpu_hours_lost_per_day"] == pytest.approx(128 * 24 * s["lost"])
+    assert doc["costs"]["durable"]["restart_s"] == 60.0  # --durable-restart-s defaults to it
+    # In-process recovery: survivors re-form in seconds, a durable-tier failure still restarts
+    r = runner.invoke(plan_cmd, [*args, "--restart-s", "3", "--durable-restart-s", "60", "--json"])
+    assert r.exit_code == 0, r.output
+    fast = json.loads(r.output)
+    assert (fast["costs"]["memory"]["restart_s"], fast["costs"]["durable"]["restart_s"]) == (3.0, 60.0)
+    by = {s["name"]: s for s in fast["strategies"]}
+    slow = {s["name"]: s for s in doc["strategies"]}
+    assert by["memory + durable"]["restart"] < slow["memory + durable"]["restart"]
+    assert by["durable only"]["restart"] == pytest.approx(slow["durable only"]["restart"])
     # Measured costs: an explicit flag overrides the measurement.
     _write_events(tmp_path / "ev")
     r = runner.invoke(plan_cmd, ["--nodes", "2", "--mtbf-node-hours", "100", "--events",

@@ -102,6 +102,11 @@ def _pick(name: str, explicit: float | None, measured: float | None, fallback: f
               help="Seconds to restore from the durable tier (default: measured, else the memory one).")
 @click.option("--restart-s", type=click.FloatRange(min=0), default=None,
               help="Failure -> new workers up: detection, rendezvous, process start (default: measured).")
+@click.option("--durable-restart-s", type=click.FloatRange(min=0), default=None,
+              help="Restart before a durable-tier restore, when it differs: with in-process recovery "
+                   "(aegis.run_in_process) --restart-s is the seconds survivors take to re-form in "
+                   "place, and a failure the memory tier cannot cover still restarts the whole job "
+                   "(default: --restart-s).")
 @click.option("--memory-latency-s", type=click.FloatRange(min=0), default=None,
               help="Snapshot -> committed in memory (background; default: measured, else 0).")
 @click.option("--durable-latency-s", type=click.FloatRange(min=0), default=None,
@@ -116,7 +121,8 @@ def _pick(name: str, explicit: float | None, measured: float | None, fallback: f
 def plan(nodes: int, gpus_per_node: int, gpu_hour_cost: float | None, mtbf_node_hours: float | None,
          failures_per_day: float | None, memory_coverage: float, snapshot_s: float | None,
          durable_snapshot_s: float | None, restore_s: float | None, durable_restore_s: float | None,
-         restart_s: float | None, memory_latency_s: float | None, durable_latency_s: float | None,
+         restart_s: float | None, durable_restart_s: float | None, memory_latency_s: float | None,
+         durable_latency_s: float | None,
          step_s: float | None, events_dirs: tuple[Path, ...], bench_files: tuple[Path, ...],
          as_json: bool) -> int:
     """Optimal snapshot intervals (Young, Daly, two-level) and the expected cost of failures:
@@ -139,6 +145,7 @@ def plan(nodes: int, gpus_per_node: int, gpu_hour_cost: float | None, mtbf_node_
     dur_snap = _pick("durable_snapshot_s", durable_snapshot_s, measured.durable_snapshot_s, mem_snap,
                      used, "same as memory")
     restart = _pick("restart_s", restart_s, measured.restart_s, None, used)
+    dur_restart = _pick("durable_restart_s", durable_restart_s, None, restart, used, "same as memory")
     mem_restore = _pick("restore_s", restore_s, measured.memory_restore_s, 0.0, used, "default 0")
     dur_restore = _pick("durable_restore_s", durable_restore_s, measured.durable_restore_s, mem_restore,
                         used, "same as memory")
@@ -152,7 +159,7 @@ def plan(nodes: int, gpus_per_node: int, gpu_hour_cost: float | None, mtbf_node_
             nodes=nodes, gpus_per_node=gpus_per_node, mtbf_s=mtbf_s, memory_coverage=memory_coverage,
             memory=TierCosts(snapshot_s=mem_snap, restore_s=mem_restore, restart_s=restart,
                              latency_s=mem_lat),
-            durable=TierCosts(snapshot_s=dur_snap, restore_s=dur_restore, restart_s=restart,
+            durable=TierCosts(snapshot_s=dur_snap, restore_s=dur_restore, restart_s=dur_restart,
                               latency_s=dur_lat),
             gpu_hour_cost=gpu_hour_cost, step_s=step,
         )
