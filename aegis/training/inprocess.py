@@ -311,6 +311,7 @@ class _Round:
     uid: str = ""
     members: list[str] = []
     admitted: int = 0  # join slots admitted into a round so far
+    baseline: frozenset[int] = frozenset()  # listening ports the process had before the round
 
 
 def joiners_registered() -> int:
@@ -328,11 +329,13 @@ def joiners_waiting(registered: int) -> bool:
 
 
 def publish_ports() -> None:
-    """Publish the ports this process's gloo groups listen on (after creating groups)."""
+    """Publish the ports this process's gloo groups listen on (after creating groups): those
+    opened since the round began, so that a server of the script's own is never touched."""
     if _Round.store is None:
         return
     with contextlib.suppress(Exception):
-        _Round.store.set(f"aegis/round/{_Round.r}/ports/{_Round.uid}", json.dumps(listening_ports()))
+        ports = sorted(set(listening_ports()) - _Round.baseline)
+        _Round.store.set(f"aegis/round/{_Round.r}/ports/{_Round.uid}", json.dumps(ports))
 
 
 def _round_ports() -> set[int]:
@@ -354,7 +357,7 @@ def _teardown() -> None:
     """After a failed round: abort its Managers (no collectives), shut this process's gloo
     connections down so that no peer stays blocked on it, destroy every process group."""
     with contextlib.suppress(Exception):
-        _shutdown_gloo(_round_ports() | set(listening_ports()))
+        _shutdown_gloo(_round_ports())
     managers = list(_live)
     for m in managers:
         with contextlib.suppress(Exception):
@@ -511,6 +514,7 @@ def run_in_process(
             hb.watch([u for u in members if u != uid])
             _Round.store, _Round.r, _Round.uid, _Round.members = store, r, uid, members
             _Round.admitted = admitted
+            _Round.baseline = frozenset(listening_ports())
             dist.init_process_group(backend, store=dist.PrefixStore(f"aegis/round/{r}/pg", store),
                                     rank=rank, world_size=len(members), timeout=collective_timeout)
             t2 = time.perf_counter()
