@@ -27,7 +27,7 @@ class PerRankSampler:
         self.pos, self.t = 100 + r, torch.tensor([float(r)])
 
     def state_dict(self) -> dict[str, Any]:
-        return {"pos": self.pos, "t": self.t}
+        return {"pos": self.pos, "t": self.t, "scalar": torch.tensor(7.0)}  # 0-d too
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.pos, self.t = sd["pos"], sd["t"].clone()
@@ -80,7 +80,7 @@ def test_per_rank_state_comes_back_to_its_own_rank(tmp_path: Path) -> None:
     # the manifest keeps both ranks' copies, under their ranks
     m = NodeStore(tmp_path, JOB).read_manifest(1)
     assert {k for k in m.entries if "data" in k} == {
-        f"per_rank.rank0000{r}.data.{f}" for r in (0, 1) for f in ("pos", "t")}
+        f"per_rank.rank0000{r}.data.{f}" for r in (0, 1) for f in ("pos", "t", "scalar")}
 
 
 def _replicated(rank: int, world: int, store: str, differ: bool) -> Any:
@@ -111,7 +111,7 @@ def test_replicated_entries_are_saved_once_and_loaded_by_every_rank(tmp_path: Pa
     out = run_ranks(2, _replicated, str(tmp_path), False)
     assert [(o["step"], o["pos"]) for o in out] == [(1, 100), (1, 100)]
     assert out[0]["kinds"] == {"model": "sharded", "sched": "replicated", "data": "replicated"}
-    assert out[0]["data_keys"] == ["app.data.pos", "app.data.t"]  # one copy, not one per rank
+    assert out[0]["data_keys"] == ["app.data.pos", "app.data.scalar", "app.data.t"]  # one copy
 
 
 def test_replicated_entries_that_differ_fail_the_debug_check(tmp_path: Path) -> None:

@@ -275,7 +275,7 @@ class Manager:
             crc = 0
             for key in sorted(flat):
                 v = flat[key]
-                data = (v.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+                data = (v.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
                         if isinstance(v, torch.Tensor) else pickle.dumps(v))
                 crc = crc32c.crc32c(key.encode() + data, crc)
             digests.append(crc)
