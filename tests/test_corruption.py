@@ -277,6 +277,23 @@ def test_damaged_older_manifest_does_not_block_the_newest(store_dir: Path) -> No
     _check_fallback(t, out, expect_step=3, note="step 2: manifest on node store")
 
 
+def test_a_damaged_manifest_of_the_restored_step_is_replaced(store_dir: Path) -> None:
+    """Two nodes hold step 3; one's manifest is damaged: the other's serves, and the damaged copy
+    is rewritten from it, so the next restore has nothing to skip."""
+    nodes = ["a", "b"]
+    saved = run_ranks(2, _save_nodes, str(store_dir), nodes, None)
+    path = NodeStore(store_dir / "b", JOB).manifest_path(3)
+    path.write_text("{damaged")
+    for attempt in range(2):
+        out = run_ranks(2, _restore_nodes, str(store_dir), nodes, None)
+        for rank, o in enumerate(out):
+            assert isinstance(o, dict) and o["step"] == 3, o
+            assert _equal(o["state"], saved[rank][3])
+            damaged_noted = any("step 3: manifest on node store" in x for x in o["skipped"])
+            assert damaged_noted == (attempt == 0), (attempt, o["skipped"])
+    NodeStore(store_dir / "b", JOB).read_manifest(3)  # intact again
+
+
 def test_damaged_memory_manifest_falls_back_to_the_durable_copy_of_the_same_step(
         store_dir: Path, tmp_path: Path) -> None:
     t = Tier("file", store_dir, {}, None)

@@ -318,9 +318,11 @@ def restore_newest(
     if is_leader and durable_manifest is None and any(
         store.shard_path(step, s).exists() for s in range(manifest.world_size)
     ):
+        mine = invs.get(node, {}).get(step)
         with contextlib.suppress(FileNotFoundError):
-            if not store.manifest_path(step).exists():
-                store.write_manifest(manifest)  # a replacement node now holds the step too
+            # a replacement node now holds the step too; a damaged copy here is replaced
+            if mine is None or not mine.committed:
+                store.write_manifest(manifest)
     _cleanup(store, is_leader, keep_step=step, bad=bad)
     group.barrier("restore done")  # after every leader's cleanup: ranks then list a settled store
     timings["total_s"] = time.perf_counter() - t0
