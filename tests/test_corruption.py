@@ -241,7 +241,12 @@ def test_manifest_damage_that_still_parses_falls_back_in_every_tier(tier: Tier) 
         store = open_store(t.url)
         original = store.get(manifest_key(JOB, 3)).decode()
         store.close()
-    for name, edit in MANIFEST_EDITS.items():
+    # every edit in the node store; in the durable tiers (the same parser, slower restores) one
+    # of each kind: a number, a name, not JSON
+    edits = MANIFEST_EDITS if t.kind == "node" else {
+        k: MANIFEST_EDITS[k] for k in ("one digit of an offset", "two same-shape items swapped",
+                                      "not JSON")}
+    for name, edit in edits.items():
         t.edit_manifest(3, edit)
         out = run_ranks(2, _restore, str(t.store_dir), t.url, t.env)
         note = "not valid JSON" if name == "not JSON" else "fails its checksum"
