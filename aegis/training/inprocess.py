@@ -146,20 +146,25 @@ class _Heartbeat:
     Every process reads every member's counter: O(world) reads per process per interval, fine
     for the simulated cluster; at scale, per-node heartbeats are the next step."""
 
-    def __init__(self, uid: str, interval_s: float, timeout: timedelta) -> None:
+    def __init__(self, uid: str, interval_s: float, timeout: timedelta, *,
+                 fence_after_s: float | None = None) -> None:
         self.key = f"aegis/hb/{uid}"
         self.interval_s = interval_s
+        self.fence_after_s = fence_after_s
         self._store = _store_from_env(timeout)
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._watch: list[str] = []
         self._seen: dict[str, tuple[int, float]] = {}  # uid -> (counter, when it last moved)
+        self._fenced: set[str] = set()
+        self.fences: list[tuple[str, float, int]] = []  # (uid, silent s, connections shut)
         self._thread = threading.Thread(target=self._run, name="aegis-heartbeat", daemon=True)
         self._thread.start()
 
     def watch(self, uids: list[str]) -> None:
         with self._lock:
             self._watch = list(uids)
+            self._fenced.clear()
 
     def silent_for(self, uid: str) -> float:
         """Seconds since ``uid``'s counter last moved (as seen here); 0 if never watched."""
@@ -180,7 +185,26 @@ class _Heartbeat:
                         last = self._seen.get(uid)
                         if last is None or last[0] != count:
                             self._seen[uid] = (count, now)
+                if self.fence_after_s is not None:
+                    self._fence_silent(watch)
             self._stop.wait(self.interval_s)
+
+    def _fence_silent(self, watch: list[str]) -> None:
+        """A member of the running round whose heartbeat stopped (frozen, cut off, or its
+        machine gone without closing its sockets) is fenced off: this process shuts down its
+        own connections with it, so that a collective waiting on it fails now instead of at
+        the group's timeout (gloo cannot abandon it otherwise). The member is left out of the
+        next round; if it comes back, it registers and rejoins at a snapshot."""
+        assert self.fence_after_s is not None
+        for uid in watch:
+            if uid in self._fenced or uid not in _Round.members or not in_round():
+                continue
+            silent = self.silent_for(uid)
+            if silent < self.fence_after_s:
+                continue
+            self._fenced.add(uid)
+            n = _fence(self._store, _Round.r, uid)
+            self.fences.append((uid, silent, n))
 
     def stop(self) -> None:
         self._stop.set()
@@ -206,8 +230,9 @@ class _Membership:
         n = self.store.add(f"aegis/round/{r}/count", 0)
         return [self.store.get(f"aegis/round/{r}/slot/{i}").decode() for i in range(1, n + 1)]
 
-    def form(self, r: int, previous: list[str] | None, expected_first: int) -> list[str]:
-        """Join round ``r`` and return its members in rank order (every caller gets the same)."""
+    def form(self, r: int, previous: list[str] | None, expected_first: int) -> tuple[list[str], int]:
+        """Join round ``r``; return its members in rank order and the number of join slots
+        admitted so far (every caller gets the same)."""
         i = self.store.add(f"aegis/round/{r}/count", 1)
         self.store.set(f"aegis/round/{r}/slot/{i}", self.uid)
         key = f"aegis/round/{r}/members"
@@ -216,15 +241,16 @@ class _Membership:
             if self.store.check([key]):
                 break
             joined = self._joined(r)
-            if previous is None:  # the first round: everyone the launcher started
-                ready = len(joined) >= expected_first
+            if previous is None:  # the first round, or a job restarted as a whole
+                ready = len(joined) >= max(expected_first, self.min_world)
             else:  # survivors: every previous member still beating has joined
                 waiting = [u for u in previous if u not in joined and self._alive(u)]
                 ready = not waiting and len(joined) >= self.min_world
             if ready:
                 order = {u: k for k, u in enumerate(previous or [])}
-                proposal = sorted(joined, key=lambda u: (order.get(u, len(order)), u))
-                self.store.compare_set(key, "", json.dumps(proposal))
+                proposal = sorted(set(joined), key=lambda u: (order.get(u, len(order)), u))
+                self.store.compare_set(key, "", json.dumps(
+                    {"members": proposal, "admitted": self._admitted(proposal)}))
                 break
             if time.monotonic() > deadline:
                 raise RecoveryGaveUp(
@@ -233,11 +259,32 @@ class _Membership:
                     + (f", first round: {expected_first}" if previous is None else "") + ")"
                 )
             time.sleep(0.01)
-        members = json.loads(self.store.get(key).decode())
-        if self.uid not in members:
-            raise RecoveryGaveUp(f"round {r} was formed without this process ({self.uid}); it "
-                                 "joined too late")
-        return members
+        record = json.loads(self.store.get(key).decode())
+        if self.uid not in record["members"]:
+            raise _Excluded(f"round {r} was formed without this process ({self.uid})")
+        return list(record["members"]), int(record["admitted"])
+
+    def _admitted(self, members: list[str]) -> int:
+        """Join slots admitted once this round forms: those admitted before, and those of any
+        registered process that joins it directly (a joiner that was waiting when the round
+        began to form)."""
+        n = int(self.store.add("aegis/admitted", 0))
+        for u in members:
+            k = f"aegis/join/slot_of/{u}"
+            if self.store.check([k]):
+                n = max(n, int(self.store.get(k).decode()))
+        return n
+
+
+class _Excluded(RecoveryGaveUp):  # noqa: N818
+    """A round formed without this process (it was silent: frozen, cut off, or late)."""
+
+
+def _latest_round(store: Any, start: int = 0) -> int:
+    r = start
+    while store.check([f"aegis/round/{r + 1}/members"]):
+        r += 1
+    return r
 
 
 # -- gloo's connections: closed on purpose ---------------------------------------------------------
@@ -283,6 +330,64 @@ def listening_ports() -> list[int]:
     return sorted({lp for lp, _, st, ino in _tcp_table() if st == _TCP_LISTEN and ino in mine})
 
 
+def _endpoints() -> list[tuple[str, str, str, int]]:
+    """(local "ip:port", remote "ip:port", state, inode) of every TCP socket of this namespace,
+    addresses as /proc writes them (hex)."""
+    rows = []
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(name) as fh:
+            next(fh, None)
+            for line in fh:
+                f = line.split()
+                if len(f) > 9:
+                    rows.append((f[1], f[2], f[3], int(f[9])))
+    return rows
+
+
+def _split(ep: str) -> tuple[str, int]:
+    ip, port = ep.rsplit(":", 1)
+    return ip, int(port, 16)
+
+
+def _any_ip(ip: str) -> bool:
+    return set(ip) <= {"0"}
+
+
+def _fence(store: Any, r: int, uid: str) -> int:
+    """Shut down this process's established connections with ``uid``'s sockets of round ``r``
+    (its listeners, and the connections it opened, as it published them)."""
+    import socket
+
+    key = f"aegis/round/{r}/ports/{uid}"
+    try:
+        if not store.check([key]):
+            return 0
+        info = json.loads(store.get(key).decode())
+    except Exception:  # noqa: BLE001 - the store away: the group's timeout remains
+        return 0
+    if not isinstance(info, dict):
+        return 0
+    listen = [_split(e) for e in info.get("listen_eps", [])]
+    local = {_split(e) for e in info.get("local", [])}
+    mine = _my_sockets()
+    n = 0
+    for _lep, rep, st, ino in _endpoints():
+        if st != _TCP_ESTABLISHED or ino not in mine:
+            continue
+        rip, rport = _split(rep)
+        if (rip, rport) not in local and not any(
+                rport == port and (ip == rip or _any_ip(ip)) for ip, port in listen):
+            continue
+        with contextlib.suppress(OSError):
+            sock = socket.socket(fileno=os.dup(mine[ino]))
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+                n += 1
+            finally:
+                sock.close()
+    return n
+
+
 def _shutdown_gloo(ports: set[int]) -> int:
     """Shut down this process's established TCP connections from or to ``ports``."""
     import socket
@@ -311,7 +416,12 @@ class _Round:
     uid: str = ""
     members: list[str] = []
     admitted: int = 0  # join slots admitted into a round so far
-    baseline: frozenset[int] = frozenset()  # listening ports the process had before the round
+    baseline_inodes: frozenset[int] = frozenset()  # sockets the process had before the round
+    active: bool = False  # train() of the round runs (not torn down)
+
+
+def in_round() -> bool:
+    return _Round.active
 
 
 def joiners_registered() -> int:
@@ -329,13 +439,20 @@ def joiners_waiting(registered: int) -> bool:
 
 
 def publish_ports() -> None:
-    """Publish the ports this process's gloo groups listen on (after creating groups): those
-    opened since the round began, so that a server of the script's own is never touched."""
+    """Publish this process's sockets opened since the round began (after creating groups; so
+    that a server or client of the script's own is never touched): the ports its gloo groups
+    listen on (a leaving process shuts its connections to them down) and the local ends of
+    the connections it holds (a peer fencing this process off shuts those down)."""
     if _Round.store is None:
         return
     with contextlib.suppress(Exception):
-        ports = sorted(set(listening_ports()) - _Round.baseline)
-        _Round.store.set(f"aegis/round/{_Round.r}/ports/{_Round.uid}", json.dumps(ports))
+        mine = _my_sockets()
+        rows = [(lep, st) for lep, _, st, ino in _endpoints()
+                if ino in mine and ino not in _Round.baseline_inodes]
+        listen = sorted({lep for lep, st in rows if st == _TCP_LISTEN})
+        local = sorted({lep for lep, st in rows if st == _TCP_ESTABLISHED})
+        _Round.store.set(f"aegis/round/{_Round.r}/ports/{_Round.uid}", json.dumps({
+            "listen": sorted({_split(e)[1] for e in listen}), "listen_eps": listen, "local": local}))
 
 
 def _round_ports() -> set[int]:
@@ -346,7 +463,8 @@ def _round_ports() -> set[int]:
         key = f"aegis/round/{_Round.r}/ports/{uid}"
         with contextlib.suppress(Exception):
             if _Round.store.check([key]):
-                ports.update(json.loads(_Round.store.get(key).decode()))
+                info = json.loads(_Round.store.get(key).decode())
+                ports.update(info["listen"] if isinstance(info, dict) else info)
     return ports
 
 
@@ -426,22 +544,56 @@ def _run_round(train: Callable[[World], Any], world: World) -> Any:
     return box.get("result")
 
 
-def _register_and_wait(store: dist.TCPStore, uid: str, timeout_s: float) -> tuple[int, list[str], int]:
-    """A process that starts while the job runs (a replacement node, a restarted worker):
-    register, then wait until the survivors admit it at their next snapshot. Returns the round
-    to join, who is expected in it, and how many join slots that round admits."""
+def _join_running(store: dist.TCPStore, uid: str, hb: _Heartbeat, *, dead_after_s: float,
+                  timeout_s: float) -> tuple[int, list[str] | None]:
+    """A process that starts while the job runs (a replacement node, a worker restarted by its
+    launcher) or that a round was formed without (it was frozen or cut off, then came back):
+    register, then wait to be admitted. Returns the round to form and its ``previous`` list
+    (round -1: the job finished meanwhile).
+
+    * the survivors admit it at their next snapshot (``Manager.save`` votes, every rank raises
+      ``Regroup`` after that snapshot committed) by writing ``aegis/join/round/<slot>``;
+    * a round that is being formed (the survivors of a failure) is joined directly;
+    * when no member of the newest round is alive (its heartbeats stopped: the whole job was
+      restarted by its launcher), the processes waiting here form the next round among
+      themselves (``WORLD_SIZE`` of them, as in the first round) and restore from the stores.
+    """
     slot = store.add("aegis/join/count", 1)
     store.set(f"aegis/join/slot/{slot}", uid)
+    store.set(f"aegis/join/slot_of/{uid}", str(slot))
     key = f"aegis/join/round/{slot}"
     deadline = time.monotonic() + timeout_s
-    while not store.check([key]):
+    since = time.monotonic()
+    r = _latest_round(store)
+    watching: list[str] = []
+    while True:
+        if store.check([key]):
+            plan = json.loads(store.get(key).decode())
+            return int(plan["round"]), list(plan["previous"])
+        r = _latest_round(store, r)
+        members = json.loads(store.get(f"aegis/round/{r}/members").decode())["members"]
+        others = [u for u in members if u != uid]
+        if others != watching:
+            hb.watch(others)
+            watching, since = others, time.monotonic()
+        if store.check([f"aegis/round/{r}/done"]):
+            return -1, None  # the job finished while this process waited
+        if store.add(f"aegis/round/{r + 1}/count", 0) > 0:  # survivors are forming a round
+            return r + 1, members
+        if int(store.add("aegis/admitted", 0)) >= slot and not store.check([key]):
+            # its slot was admitted into a round it missed (it joined another one): a new slot
+            slot = store.add("aegis/join/count", 1)
+            store.set(f"aegis/join/slot/{slot}", uid)
+            store.set(f"aegis/join/slot_of/{uid}", str(slot))
+            key = f"aegis/join/round/{slot}"
+        if time.monotonic() - since > dead_after_s and all(
+                hb.silent_for(u) >= dead_after_s for u in others):
+            return r + 1, None  # nobody of the newest round is alive: a restarted job
         if time.monotonic() > deadline:
             raise RecoveryGaveUp(f"registered to join the running job (slot {slot}) but was not "
                                  f"admitted within {timeout_s:.0f} s: the job saves no snapshot, "
                                  "or has ended")
         time.sleep(0.02)
-    plan = json.loads(store.get(key).decode())
-    return int(plan["round"]), list(plan["previous"]), int(plan["admitted"])
 
 
 def _emit_recovery(w: World) -> None:
@@ -492,7 +644,7 @@ def run_in_process(
     local = os.environ.get("LOCAL_RANK", "0")
     uid = f"{node}/{local}/{os.getpid()}"
     store = _store_from_env(form_timeout)
-    hb = _Heartbeat(uid, heartbeat_s, form_timeout)
+    hb = _Heartbeat(uid, heartbeat_s, form_timeout, fence_after_s=dead_after_s)
     membership = _Membership(store, uid, hb, dead_after_s=dead_after_s,
                              form_timeout_s=form_timeout.total_seconds(), min_world=min_world)
     first = int(os.environ.get("WORLD_SIZE", "1"))
@@ -501,20 +653,27 @@ def run_in_process(
     restarts = 0
     timings: dict[str, float] = {}
     failed_at: float | None = None
-    admitted = 0
+    join = store.check(["aegis/round/0/members"])  # the job runs already: join it
     try:
-        if store.check(["aegis/round/0/members"]):  # the job runs already: join it
-            r, previous, admitted = _register_and_wait(store, uid, form_timeout.total_seconds())
-            hb.watch(previous)
         while True:
             t0 = time.perf_counter()
-            members = membership.form(r, previous, first)
+            if join:
+                r, previous = _join_running(store, uid, hb, dead_after_s=dead_after_s,
+                                            timeout_s=form_timeout.total_seconds())
+                join = False
+                if r < 0:
+                    return None
+            try:
+                members, admitted = membership.form(r, previous, first)
+            except _Excluded:
+                join = True  # left out while silent: register and come back at a snapshot
+                continue
             t1 = time.perf_counter()
             rank = members.index(uid)
             hb.watch([u for u in members if u != uid])
             _Round.store, _Round.r, _Round.uid, _Round.members = store, r, uid, members
             _Round.admitted = admitted
-            _Round.baseline = frozenset(listening_ports())
+            _Round.baseline_inodes = frozenset(_my_sockets())
             dist.init_process_group(backend, store=dist.PrefixStore(f"aegis/round/{r}/pg", store),
                                     rank=rank, world_size=len(members), timeout=collective_timeout)
             t2 = time.perf_counter()
@@ -524,11 +683,15 @@ def run_in_process(
                           restarts=restarts, timings=dict(timings), failed_at=failed_at)
             if restarts:
                 _emit_recovery(world)
-            publish_ports()  # the default group's listener
+            publish_ports()  # the default group's sockets
             if on_round is not None:
                 on_round(world)
+            _Round.active = True
             try:
-                return _run_round(train, world)
+                result = _run_round(train, world)
+                with contextlib.suppress(Exception):  # a process still waiting to join: go home
+                    store.set(f"aegis/round/{r}/done", "1")
+                return result
             except Regroup as e:  # every rank, after the same committed snapshot
                 registered = e.registered
                 failed_at = None
@@ -537,6 +700,8 @@ def run_in_process(
                     raise
                 failed_at = time.time()
                 registered = 0
+            finally:
+                _Round.active = False
             # Out of the except block: the exception and its frames (holding the round's model,
             # mesh and groups) are released, so destroying the groups really closes them.
             del world
@@ -549,11 +714,12 @@ def run_in_process(
             if registered > admitted:  # grow: admit the processes that registered
                 joiners = [store.get(f"aegis/join/slot/{i}").decode()
                            for i in range(admitted + 1, registered + 1)]
+                joiners = [u for k, u in enumerate(joiners) if u not in previous and u not in joiners[:k]]
                 for i in range(admitted + 1, registered + 1):
                     store.set(f"aegis/join/round/{i}", json.dumps(
-                        {"round": r, "previous": previous + joiners, "admitted": registered}))
+                        {"round": r, "previous": previous + joiners}))
+                store.set("aegis/admitted", str(registered))
                 previous = previous + joiners
-                admitted = registered
                 hb.watch([u for u in previous if u != uid])
     finally:
         hb.stop()
