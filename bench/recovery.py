@@ -15,8 +15,13 @@ dcp-s3            no aegis: ``dcp.save`` through fsspec/s3fs (``FsspecWriter``) 
                   server every ``--durable-every`` steps; restore = ``dcp.load`` of the newest
                   step with a ``.metadata`` (``FsspecReader``), the way a plain DCP user resumes
 aegis-inprocess   as aegis-memory, with ``--in-process`` (``aegis.run_in_process``): the survivors
-                  are not restarted; they re-form their groups and restore in the same processes.
-                  No replacement joins (shrink: growing back in place is not built yet)
+                  are not restarted; they re-form their groups and restore in the same processes
+                  (shrink); once they train again a replacement node starts and joins in place
+aegis-inprocess-  as aegis-inprocess, but node-1 is SIGSTOPped (agent + workers) instead of
+freeze            killed: the survivors' heartbeat threads fence it off; once they train again
+                  it is SIGCONTed and rejoins in place (its processes never exited)
+aegis-inprocess-  as aegis-inprocess-freeze, but node-1's link is cut (each node in its own
+partition         network namespace; needs root) and later restored
 ================  ================================================================================
 
 The S3 server is moto's, on loopback (as in the tests). The default kill lands just before the
@@ -74,7 +79,10 @@ from _common import (  # noqa: E402 - bench/ is on sys.path as a script
 
 NAME = "recovery"
 SELF = str(Path(__file__).resolve())
-ARMS = ("aegis-memory", "aegis-durable", "dcp-s3", "aegis-inprocess")
+ARMS = ("aegis-memory", "aegis-durable", "dcp-s3", "aegis-inprocess", "aegis-inprocess-freeze",
+        "aegis-inprocess-partition")
+INPROCESS = {"aegis-inprocess": "kill", "aegis-inprocess-freeze": "freeze",
+             "aegis-inprocess-partition": "partition"}
 PHASES = (("detection_s", "detection"),
           ("restart_s", "restart (rendezvous + worker start; in-process: groups + model re-formed)"),
           ("restore_s", "restore"), ("redo_s", "redo lost steps"), ("next_step_s", "next step"))
@@ -318,7 +326,7 @@ def arm_args(arm: str, args: argparse.Namespace, bucket: str | None) -> tuple[li
     k = str(args.durable_every)
     if arm == "aegis-memory":
         return ["--every", "1", "--replicas", "1"], {}
-    if arm == "aegis-inprocess":
+    if arm in INPROCESS:
         return ["--every", "1", "--replicas", "1", "--in-process", "--pg-timeout", "30"], {}
     if arm == "aegis-durable":
         return ["--every", k, "--replicas", "0", "--durable", f"s3://{bucket}/aegis",
@@ -334,11 +342,20 @@ def run_arm(arm: str, args: argparse.Namespace, spec: str, work: Path, extra: li
     work.mkdir(parents=True, exist_ok=True)
     job = f"bench-{arm}"
     loss_log = work / "loss.jsonl"
+    fault = INPROCESS.get(arm, "kill")
     # in-process: long enough for a replacement to start and join while the survivors train
-    steps = args.kill_after + (60 if arm == "aegis-inprocess" else 2)
+    steps = args.kill_after + (60 if arm in INPROCESS else 2)
     cmd = [SELF, "_trainer", spec, "--", "--steps", str(steps), "--batch-size",
            str(args.batch_size), "--job", job, "--loss-log", str(loss_log), *extra]
-    cluster = SimCluster(work, cmd, nodes=args.nodes, job=job,
+    net = None
+    if fault == "partition":
+        from aegis.sim.netns import NetnsNetwork, netns_available
+
+        why = netns_available()
+        if why is not None:
+            raise RuntimeError(f"not measured: network namespaces unavailable ({why})")
+        net = NetnsNetwork().setup()
+    cluster = SimCluster(work, cmd, nodes=args.nodes, job=job, network=net,
                          store_root=f"/dev/shm/aegis-bench-{os.getpid()}-{arm}",
                          env={"BENCH_TIMES_DIR": str(work / "trainer-times"), **env})
     victim = "node-1"
@@ -353,11 +370,21 @@ def run_arm(arm: str, args: argparse.Namespace, spec: str, work: Path, extra: li
         survivors = [n for n in cluster.alive_nodes() if n != victim]
         old = {p for n in survivors for p in cluster.nodes[n].workers()}
         last_logged = max(r["step"] for r in _jsonl(loss_log))
-        t_kill = cluster.kill_node(victim)
+        stopped: list[int] = []
+        if fault == "freeze":
+            t_kill = time.time()
+            stopped = cluster.stop_node(victim)
+        elif fault == "partition":
+            assert net is not None
+            t_kill = time.time()
+            net.cut(cluster.nodes[victim].index)
+        else:
+            t_kill = cluster.kill_node(victim)
         t_replace: float | None = None
-        if arm == "aegis-inprocess":
+        if arm in INPROCESS:
             # shrink at once; once the survivors train again, a replacement (its own torchrun
-            # rendezvous: the running agents must not restart their workers) joins in place
+            # rendezvous: the running agents must not restart their workers) joins in place,
+            # or the frozen / cut-off node comes back and rejoins
             t_detect, spawned = None, {}
             while not any(r["time"] > t_kill and r.get("world") == args.nodes - 1
                           for r in _jsonl(loss_log)):
@@ -365,7 +392,15 @@ def run_arm(arm: str, args: argparse.Namespace, spec: str, work: Path, extra: li
                     raise RuntimeError(f"{arm}: the survivors never trained again; see {work}")
                 time.sleep(0.02)
             t_replace = time.time()
-            replacement = cluster.add_node(solo=True).node_id
+            if fault == "freeze":
+                cluster.cont_node(stopped)
+                replacement = victim
+            elif fault == "partition":
+                assert net is not None
+                net.heal(cluster.nodes[victim].index)
+                replacement = victim
+            else:
+                replacement = cluster.add_node(solo=True).node_id
             cluster.wait_workers(max(deadline - time.monotonic(), 1))  # see wait_workers
             codes = {n: 0 if not cluster.nodes[n].workers() else None for n in cluster.alive_nodes()}
         else:
@@ -373,7 +408,11 @@ def run_arm(arm: str, args: argparse.Namespace, spec: str, work: Path, extra: li
             t_detect, spawned = _watch_restart(cluster, old, args.nodes, deadline)
             codes = cluster.wait(max(deadline - time.monotonic(), 1))
     finally:
+        if stopped_pids := locals().get("stopped"):
+            cluster.cont_node(stopped_pids)
         cluster.shutdown()
+        if net is not None:
+            net.teardown()
     losses = _jsonl(loss_log)
     events = read_events(work)
     after = [e for e in events if e["time"] > t_kill]
@@ -389,8 +428,9 @@ def run_arm(arm: str, args: argparse.Namespace, spec: str, work: Path, extra: li
     t_restored = max(e["time"] for e in restores)
     inproc: dict[str, Any] | None = None
     # the shrink's recovery events (a later grow round has no failure: failed_at is None)
-    recoveries = [e for e in after if e["event"] == "recovery" and e.get("failed_at")]
-    if arm == "aegis-inprocess":
+    recoveries = [e for e in after if e["event"] == "recovery" and e.get("failed_at")
+                  and (t_replace is None or e["time"] < t_replace)]
+    if arm in INPROCESS:
         if not recoveries:
             raise RuntimeError(f"{arm}: no in-process recovery after the kill; see {work}")
         # detection: the survivors' collective failed; then teardown, agreement on the new
@@ -502,8 +542,10 @@ def _inprocess_line(r: dict[str, Any]) -> str:
                 f"{f(ip['restore_s'])} s")
     rep = ip.get("replacement")
     if rep:
-        out += (f"\n{r['arm']}: a replacement joined {f(rep['started_to_joined_s'])} s after it "
-                f"was started (at step {rep['joined_at_step']}; the survivors trained "
+        who = ("a replacement joined", "started") if r["arm"] == "aegis-inprocess" else (
+            "node-1 rejoined", "back")
+        out += (f"\n{r['arm']}: {who[0]} {f(rep['started_to_joined_s'])} s after it "
+                f"was {who[1]} (at step {rep['joined_at_step']}; the survivors trained "
                 f"{rep['steps_while_it_started']} steps meanwhile); the survivors' longest stall: "
                 f"{f(rep['survivors_longest_stall_s'])} s")
     return out
