@@ -4,12 +4,18 @@
 2. The same job on 3 simulated nodes (torchrun agents with their own node ids and tmpfs node
    stores, meeting through a standalone rendezvous store), aegis snapshotting every step and
    replicating each shard to the next node.
-3. Mid-run one node is SIGKILLed (agent and workers) and its node store deleted. A replacement
-   node with an empty store joins (or, with --shrink, none does and the world shrinks 3 -> 2).
-4. The job restores the newest committed step from the survivors' memory and the replicas they
-   hold, and trains on. The demo prints the recovery timeline and checks that the restored state
-   equals the state saved at that step, and (same world size) that every loss after recovery
-   equals the uninterrupted run's, bitwise.
+3. Mid-run one node is SIGKILLed (agent and workers) and its node store deleted.
+4. In-process recovery (the default; ``aegis.run_in_process``): the survivors' processes never
+   exit. They re-form their process groups without the lost node (3 -> 2), rebuild the model,
+   restore the newest committed step from their own memory and the replicas they hold
+   (resharding to 2 ranks) and train on. A replacement node with an empty store starts
+   meanwhile; the survivors admit it at their next snapshot, and all 3 ranks reshard from that
+   step and train on. Checks: the survivors kept their processes; each restore loaded the
+   newest committed step and its state equals the state saved at that step (full-state
+   crc32c); until the world first changed size every loss equals the uninterrupted run's.
+   ``--restart``: the torchrun path instead: every worker is restarted, the replacement joins
+   the new rendezvous, the job restores at full size and every loss after recovery equals the
+   uninterrupted run's, bitwise (``--shrink``: no replacement, the world shrinks 3 -> 2).
 
 ``make demo`` runs it; exit code 0 only if every check passes.
 """
@@ -46,19 +52,29 @@ def fmt_bytes(n: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nodes", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=None,
+                    help="default 40; in-process 70 (time for the replacement to start and join)")
     ap.add_argument("--kill-after", type=int, default=15, help="kill once this step is logged")
     ap.add_argument("--kill", default="node-1", help="which node to lose")
-    ap.add_argument("--shrink", action="store_true", help="no replacement node: the world shrinks")
+    ap.add_argument("--shrink", action="store_true", help="--restart: no replacement node: the world shrinks")
+    ap.add_argument("--restart", action="store_true",
+                    help="recover by restarting every worker under torchrun (the path without "
+                         "aegis.run_in_process)")
     ap.add_argument("--config", default="tiny")
     ap.add_argument("--workdir", default=None)
     args = ap.parse_args(argv)
 
+    if args.steps is None:
+        args.steps = 40 if args.restart else 70
     work = Path(args.workdir or tempfile.mkdtemp(prefix="aegis-demo-"))
     work.mkdir(parents=True, exist_ok=True)
     world = args.nodes
     train = ["--config", args.config, "--steps", str(args.steps), "--dropout", "0.1"]
     mode = f"shrink {args.nodes} -> {args.nodes - 1} nodes" if args.shrink else "replacement node joins"
+    if not args.restart:
+        mode = (f"in-process recovery: survivors go on at {args.nodes - 1} ranks, a replacement "
+                "node joins at a snapshot")
+        args.shrink = False
     print(f"aegis demo: {args.nodes} simulated nodes x 1 rank, {args.config} model, {args.steps} steps, "
           f"snapshot every step, 1 replica; lose {args.kill} after step {args.kill_after}; {mode}")
     print(f"logs: {work}")
@@ -78,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         reference = {r["step"]: r for r in jsonl(ref_log)}
 
+    if not args.restart:
+        return in_process(args, work, train, reference, checks)
     print(f"2) start {args.nodes} nodes ...", flush=True)
     loss_log, digest_log = work / "loss.jsonl", work / "digest.jsonl"
     cluster = SimCluster(
@@ -172,6 +190,125 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             print(f"   {r['step']:>5}  {reference[r['step']]['loss']:>16.12f}  {r['loss']:>16.12f}")
         print()
+    ok = True
+    for what, passed in checks:
+        ok &= passed
+        print(f"  [{'PASS' if passed else 'FAIL'}] {what}")
+    print("PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+def in_process(args: argparse.Namespace, work: Path, train: list[str], reference: dict[int, dict],
+               checks: list[tuple[str, bool]]) -> int:
+    print(f"2) start {args.nodes} nodes (train_fsdp.py --in-process) ...", flush=True)
+    loss_log, digest_log = work / "loss.jsonl", work / "digest.jsonl"
+    cluster = SimCluster(
+        work,
+        [TRAINER, *train, "--job", "demo", "--loss-log", str(loss_log), "--digest-log", str(digest_log),
+         "--step-sleep", "0.05", "--in-process", "--min-world", str(args.nodes - 1)],
+        nodes=args.nodes, job="demo",
+    )
+    try:
+        cluster.start()
+        deadline = time.monotonic() + 300
+        while max((r["step"] for r in jsonl(loss_log)), default=0) < args.kill_after:
+            if time.monotonic() > deadline:
+                print("the job did not reach the kill step; see the node logs")
+                return 1
+            time.sleep(0.02)
+        survivors = [n for n in cluster.alive_nodes() if n != args.kill]
+        old_workers = {p for n in survivors for p in cluster.nodes[n].workers()}
+        print(f"3) SIGKILL {args.kill} (agent + workers) and delete its node store", flush=True)
+        t_kill = cluster.kill_node(args.kill)
+        committed_at_kill = max(
+            (s.step for n in survivors for s in NodeStore(cluster.nodes[n].store_dir, "demo").steps() if s.committed),
+            default=0,
+        )
+        while not any(r["time"] > t_kill and r["world"] == args.nodes - 1 for r in jsonl(loss_log)):
+            if time.monotonic() > deadline:
+                print("the survivors did not train again; see the node logs")
+                return 1
+            time.sleep(0.02)
+        t_replace = time.time()
+        replacement = cluster.add_node(solo=True)
+        print(f"4) the survivors train on at {args.nodes - 1} ranks; replacement {replacement.node_id} "
+              "started with an empty node store", flush=True)
+        print("5) waiting for the job to finish ...", flush=True)
+        finished = cluster.wait_workers(600)
+    finally:
+        cluster.shutdown()
+
+    evs = read_events(work)
+    after = [e for e in evs if e["time"] > t_kill]
+    recov = [e for e in after if e["event"] == "recovery" and e.get("failed_at")]
+    shrink_restores = [e for e in after if e["event"] == "restore" and e.get("found") and e["time"] < t_replace]
+    grow_restores = [e for e in after if e["event"] == "restore" and e.get("found") and e["time"] > t_replace]
+    losses = jsonl(loss_log)
+    if not recov or not shrink_restores:
+        print("no in-process recovery after the kill was recorded; see the node logs")
+        return 1
+    restored = shrink_restores[0]["step"]
+    starts = [e for e in after if e["event"] == "start" and e["time"] < t_replace]
+    pids = {e.get("pid") for e in starts}
+    t_fail = max(e["failed_at"] for e in recov)
+    t_grouped = max(e["time"] for e in recov)
+    t_up = max(e["time"] for e in starts)
+    t_restored = max(e["time"] for e in shrink_restores)
+    first = next((r for r in losses if r["time"] > t_restored and r["step"] > restored), None)
+    timings = recov[0]["timings"]
+
+    print()
+    print(f"recovery timeline (seconds after the SIGKILL of {args.kill})")
+    print(f"  {0.0:6.2f}  kill        {args.kill}: agent and workers SIGKILLed, node store deleted")
+    print(f"  {t_fail - t_kill:6.2f}  detection   the survivors' collective failed (connection closed)")
+    print(f"  {t_grouped - t_kill:6.2f}  re-formed   round {recov[0]['round']}, world {recov[0]['world_size']}: "
+          f"teardown {timings.get('teardown_s', 0):.2f} s, agreement {timings.get('agree_s', 0):.2f} s, "
+          f"new process group {timings.get('regroup_s', 0):.2f} s (same processes)")
+    print(f"  {t_up - t_kill:6.2f}  rebuilt     mesh, FSDP model, optimizer and aegis Manager built again")
+    src: dict[str, int] = {}
+    for e in shrink_restores:
+        for x in e["sources"]:
+            src[x["tier"]] = src.get(x["tier"], 0) + 1
+    print(f"  {t_restored - t_kill:6.2f}  restore     step {restored} resharded to {len(shrink_restores)} ranks "
+          f"({', '.join(f'{k}: {v} shard reads' for k, v in sorted(src.items()))})")
+    if first:
+        print(f"  {first['time'] - t_kill:6.2f}  first step  step {first['step']} finished (loss {first['loss']:.6f})")
+    grown = next((r for r in losses if r["time"] > t_replace and r["world"] == args.nodes), None)
+    if grow_restores and grown:
+        window = [r for r in losses if r["time"] <= grown["time"]]
+        stall = max((b["time"] - a["time"] for a, b in zip(window, window[1:], strict=False)
+                     if b["time"] > t_replace), default=0.0)
+        print(f"  {t_replace - t_kill:6.2f}  replacement {replacement.node_id} started (interpreter, torch, its "
+              "own torchrun agent); the survivors train meanwhile")
+        print(f"  {grown['time'] - t_kill:6.2f}  grown       world {args.nodes} again from step "
+              f"{grow_restores[0]['step']} (admitted at a snapshot; survivors' longest stall {stall:.2f} s)")
+    print()
+
+    digests = jsonl(digest_log)
+    saved = [(d["step"], d["digest"]) for d in digests if d["phase"] == "saved"]
+
+    def same_as_saved(step: int, t0: float, t1: float) -> bool:
+        back = [d for d in digests if d["phase"] == "restored" and t0 < d["time"] < t1 and d["step"] == step]
+        return bool(back) and back[0]["digest"] in {dg for s, dg in saved if s == step}
+
+    checks.append((f"the survivors kept their processes: no worker restarted ({len(pids)} pids, same as before)",
+                   bool(pids) and pids <= old_workers))
+    checks.append((f"restored the newest step committed at the kill ({committed_at_kill}), in place",
+                   restored == committed_at_kill))
+    checks.append((f"restored state equals the state saved at step {restored} (full-state crc32c)",
+                   same_as_saved(restored, t_kill, t_replace)))
+    if grow_restores:
+        g = grow_restores[0]["step"]
+        checks.append((f"the replacement joined: every rank of the grown world restored step {g}, "
+                       "equal to the state saved at that step",
+                       len({e["step"] for e in grow_restores}) == 1 and same_as_saved(g, t_replace, float("inf"))))
+    else:
+        checks.append(("the replacement joined the running job", False))
+    checks.append(("training finished every step", finished and bool(losses) and losses[-1]["step"] == args.steps))
+    before = [r for r in losses if r["time"] < t_kill]
+    same = [r for r in before if reference[r["step"]]["loss_hex"] == r["loss_hex"]]
+    checks.append((f"all {len(before)} losses until the world changed size equal the uninterrupted run bitwise",
+                   bool(before) and len(same) == len(before)))
     ok = True
     for what, passed in checks:
         ok &= passed

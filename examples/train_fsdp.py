@@ -585,10 +585,14 @@ def _run_in_process(args: argparse.Namespace) -> int:
         dist.barrier()  # leave together (see main)
         return rc
 
-    return int(aegis.run_in_process(
+    rc = aegis.run_in_process(
         train, min_world=args.min_world,
         collective_timeout=timedelta(seconds=args.pg_timeout or 30),
-    ))
+    )
+    if rc is None:  # started (or came back) after the job had finished
+        print("[train_fsdp] the job finished before this process could join it", flush=True)
+        return 0
+    return int(rc)
 
 
 def _train(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> int:
