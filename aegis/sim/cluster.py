@@ -156,15 +156,16 @@ class SimCluster:
             addr = self.network.add(index).addr
         return self._launch(node_id, index, store_dir, addr, solo=solo)
 
-    def relaunch(self) -> list[str]:
+    def relaunch(self, *, solo: bool = False) -> list[str]:
         """Start a new agent on every node whose agent exited (not killed), keeping its node
         store and address, under a new rendezvous id: what a job scheduler does when it requeues
-        the job (torchrun closes a rendezvous for good once one of its agents fails)."""
+        the job (torchrun closes a rendezvous for good once one of its agents fails). ``solo``:
+        as in :meth:`add_node` (an in-process job: the node rejoins the running job)."""
         self.generation += 1
         out = []
         for node_id, node in list(self.nodes.items()):
             if node.killed is None and not node.alive:
-                self._launch(node_id, node.index, node.store_dir, node.addr)
+                self._launch(node_id, node.index, node.store_dir, node.addr, solo=solo)
                 out.append(node_id)
         return out
 

@@ -156,7 +156,6 @@ class Manager:
         self._existing = self._find_existing()
         if inprocess.in_process_round():
             inprocess.register_manager(self)
-            inprocess.publish_ports()  # the listeners of aegis' own groups too
             self.engine.vote = inprocess.joiners_registered
         self.uploader: Uploader | None = None
         self._last_upload_t = time.monotonic()
@@ -176,6 +175,10 @@ class Manager:
                 on_result=self._on_upload,
                 warn=self.events.warn,
             )
+        if inprocess.in_process_round():
+            # the sockets of aegis' own groups (the uploader's too: created last), so that a
+            # peer leaving the round or fencing this one off shuts them down as well
+            inprocess.publish_ports()
         self.last_restore: RestoreResult | None = None
         self._closed = False
         self.events.emit("start", node=self.node, world_size=self.world, pid=os.getpid(),

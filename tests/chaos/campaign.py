@@ -2,6 +2,7 @@
 cluster, with the invariants checked after every fault.
 
     python -m tests.chaos.campaign --seed 1 --faults 50      # `make chaos`
+    python -m tests.chaos.campaign --seed 1 --faults 50 --in-process   # `make chaos-inprocess`
 
 The reference trainer runs on 3 simulated nodes (min 2: the world may shrink) with a memory
 snapshot every step, one replica, and durable uploads to a loopback S3 server (moto) behind a
@@ -17,6 +18,13 @@ small tmpfs node store. Fault kinds:
                   SIGSTOPped), then back;
 * ``store_full``  a node's tmpfs node store filled to the last byte, then freed;
 * ``double_kill`` a second node lost while the job recovers from the first loss.
+
+``--in-process``: the trainer runs under ``aegis.run_in_process`` (min world 2): survivors
+re-form their groups in place, a frozen or cut-off node is fenced off and rejoins when it comes
+back, replacement nodes start with a torchrun rendezvous of their own (``add_node(solo=True)``)
+and join at a snapshot, and an agent that exits is relaunched alone. A fault's ``restarts`` then
+counts worker processes started again on a node that already ran one (0 when every recovery
+was in place), ``in place`` the rounds re-formed.
 
 Invariants, checked from the trainer's logs, the aegis events and the stores:
 
@@ -84,6 +92,7 @@ class Config:
     fault_timeout: float = 240.0  # a fault not resolved by then is a violation
     reference_steps: int = 60
     network: bool = True  # network namespaces, when the machine allows them
+    in_process: bool = False  # aegis.run_in_process instead of torchrun restarts
 
 
 @dataclass
@@ -97,6 +106,7 @@ class FaultRecord:
     t_resolved: float = 0.0
     step_before: int = 0  # last step logged before the fault
     restarts: int = 0
+    in_place: int = 0  # in-process recoveries (rounds re-formed), --in-process
     relaunches: int = 0  # whole-job requeues (an agent exited and closed the rendezvous)
     restored: list[int] = field(default_factory=list)
     tiers: list[str] = field(default_factory=list)
@@ -204,7 +214,23 @@ class Campaign:
                 "--durable-max-pending", str(c.durable_max_pending),
                 "--timeout", str(c.snapshot_timeout), "--pg-timeout", str(c.pg_timeout),
                 "--loss-log", str(loss), "--digest-log", str(digest),
-                "--step-sleep", str(c.step_sleep)]
+                "--step-sleep", str(c.step_sleep)] + (
+                    ["--in-process", "--min-world", str(c.nodes - 1)] if c.in_process else [])
+
+    def _add_node(self) -> Any:
+        """A replacement node. In-process: with a rendezvous of its own, so that the running
+        agents see no node waiting and leave their workers alone; aegis admits the new worker."""
+        assert self.cluster is not None
+        return self.cluster.add_node(solo=self.cfg.in_process)
+
+    def _wait_recovered(self, since: float, timeout: float) -> None:
+        """In-process: until a survivor reports a recovery after ``since`` (the survivors'
+        processes do not exit)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(e["event"] == "recovery" and e["time"] > since for e in self._events()):
+                return
+            time.sleep(0.1)
 
     def _env(self) -> dict[str, str]:
         return {**S3_ENV, "AWS_ENDPOINT_URL": self.s3_url, "AEGIS_CHAOS": self.marker}
@@ -319,11 +345,19 @@ class Campaign:
             survivors = [n for n in self._participants() if n != node]
             old = {p for n in survivors for p in cl.nodes[n].workers()}
             rec.t_start = cl.kill_node(node)
-            if replace:
-                cl.add_node()
-            wait_exited(old, 60)
-            committed = sorted({s.step for n in survivors
-                                for s in NodeStore(cl.nodes[n].store_dir, self.job).steps() if s.committed})
+            if self.cfg.in_process:
+                # the survivors restore in place ~1 s after the kill and commit newer steps
+                # soon after: what they held is read now
+                time.sleep(0.3)
+                committed = self._committed_on(survivors)
+                if replace:
+                    self._add_node()
+                self._wait_recovered(rec.t_start, 60)
+            else:
+                if replace:
+                    cl.add_node()
+                wait_exited(old, 60)
+                committed = self._committed_on(survivors)
             rec.detail = f"{'replacement' if replace else 'shrink'}; survivors held {committed[-2:]}"
             rec.t_end = time.time()
             self._resolve(rec, expect_restart=True, newest=committed[-1] if committed else None,
@@ -333,12 +367,15 @@ class Campaign:
             survivors = [n for n in self._participants() if n not in (node, other)]
             old = {p for n in survivors + [other] for p in cl.nodes[n].workers()}
             rec.t_start = cl.kill_node(node)
-            cl.add_node()
-            wait_exited(old, 60)  # the first recovery has begun
+            self._add_node()
+            if self.cfg.in_process:
+                self._wait_recovered(rec.t_start, 60)  # the first recovery has begun
+            else:
+                wait_exited(old, 60)  # the first recovery has begun
             gap = self.rng.uniform(0.0, 3.0)
             time.sleep(gap)
             cl.kill_node(other)
-            cl.add_node()
+            self._add_node()
             rec.detail = f"then {other} {gap:.1f} s into the recovery; replacements join"
             rec.t_end = time.time()
             self._resolve(rec, expect_restart=True)
@@ -396,6 +433,11 @@ class Campaign:
             rec.checks.append((f"memory snapshots were skipped while full ({len(skipped)} events)", bool(skipped)))
         return rec
 
+    def _committed_on(self, nodes: list[str]) -> list[int]:
+        assert self.cluster is not None
+        return sorted({s.step for n in nodes
+                       for s in NodeStore(self.cluster.nodes[n].store_dir, self.job).steps() if s.committed})
+
     def net_nodes(self) -> list[str]:
         assert self.cluster is not None and self.net is not None
         return [n for n, nd in self.cluster.nodes.items() if nd.index in self.net.nodes]
@@ -417,6 +459,14 @@ class Campaign:
         starts = sorted({round(e["time"]) for e in events if e["event"] == "start" and e["rank"] == 0})
         restores = [e for e in events if e["event"] == "restore" and e["rank"] == 0 and e.get("found")]
         rec.restarts = len(starts)
+        if self.cfg.in_process:
+            # process restarts: a worker process started on a node that ran one before the fault
+            earlier = [e for e in self._events() if e["event"] == "start" and e["time"] < rec.t_start]
+            old_nodes = {e["_node"] for e in earlier}
+            old_pids = {(e["_node"], e.get("pid")) for e in earlier}
+            rec.restarts = len({(e["_node"], e.get("pid")) for e in events if e["event"] == "start"
+                                and e["_node"] in old_nodes and (e["_node"], e.get("pid")) not in old_pids})
+            rec.in_place = len({e["round"] for e in events if e["event"] == "recovery"})
         rec.relaunches = sum(1 for t, _ in self.relaunches if rec.t_start <= t <= rec.t_resolved)
         rec.restored = [e["step"] for e in restores]
         rec.tiers = sorted({s["tier"] for e in events if e["event"] == "restore" and e.get("found")
@@ -438,8 +488,9 @@ class Campaign:
         if expect_restart is True:
             rec.checks.append(("the job restarted and restored a snapshot", bool(restores)))
         elif expect_restart is False:
-            rec.checks.append((f"training never stopped: no restart ({rec.restarts}), longest step gap "
-                               f"{rec.max_step_gap_s:.1f} s", rec.restarts == 0))
+            rec.checks.append((f"training never stopped: no restart ({rec.restarts}) or in-place "
+                               f"recovery ({rec.in_place}), longest step gap {rec.max_step_gap_s:.1f} s",
+                               rec.restarts == 0 and rec.in_place == 0))
         if newest is not None and restores:
             # Only when every survivor took part in that round: torchrun may close a round (min
             # nodes reached + last call) before a slow survivor rejoins, and the shards it holds
@@ -536,6 +587,10 @@ class Campaign:
         exited = [n for n, nd in cl.nodes.items() if nd.killed is None and not nd.alive]
         if not exited:
             return
+        if self.cfg.in_process:  # only that node comes back (its store kept); it joins in place
+            self.relaunches.append((time.time(), exited))
+            cl.relaunch(solo=True)
+            return
         for nd in cl.nodes.values():
             if nd.killed is None and nd.alive:
                 wait_gone(kill_tree(nd.proc.pid), 10)
@@ -558,7 +613,7 @@ class Campaign:
             last_start = max(starts, default=since)
             recent = [x for x in losses if x["time"] > last_start]
             if len(alive) < self.cfg.nodes and recent and recent[-1]["world"] == len(alive):
-                cl.add_node()  # the job runs shrunk: a new node joins (and the job restarts)
+                self._add_node()  # the job runs shrunk: a new node joins (the job restarts, or not)
                 time.sleep(1.0)
                 continue
             full = [x for x in recent if x["world"] == self.cfg.nodes]
@@ -590,6 +645,8 @@ class Campaign:
         status = "ok" if not r.violations else "VIOLATION: " + "; ".join(r.violations)
         resume = f"{r.resume_s:.1f} s" if r.resume_s is not None else "-"
         return (f"[{r.index:>3}] {r.kind:<11} {r.node:<8} {r.detail} | restarts {r.restarts} "
+                + (f"in place {r.in_place} " if self.cfg.in_process else "")
+                +
                 f"restored {r.restored} from {'+'.join(r.tiers) or '-'} resume {resume} "
                 + (f"requeues {r.relaunches} " if r.relaunches else "")
                 + f"lost {r.lost_steps if r.lost_steps is not None else '-'} | {status}")
@@ -611,6 +668,7 @@ class Campaign:
                 "injected": len(rs),
                 "recoveries": sum(1 for r in rs if r.restored),
                 "restarts": sum(r.restarts for r in rs),
+                "in_place": sum(r.in_place for r in rs),
                 "relaunches": sum(r.relaunches for r in rs),
                 "tiers": dict(tiers),
                 "resume_median_s": statistics.median(resumes) if resumes else None,
@@ -624,6 +682,7 @@ class Campaign:
         violations += [what for what, ok in self.global_checks if not ok]
         return {
             "seed": self.cfg.seed,
+            "mode": "in-process" if self.cfg.in_process else "restart",
             "faults_planned": self.cfg.faults,
             "faults_injected": len(self.records),
             "wall_s": wall_s,
@@ -639,11 +698,11 @@ class Campaign:
 
 
 def format_table(s: dict[str, Any]) -> str:
-    head = "| fault | injected | recoveries | restarts (job requeues) | source tiers | resume median / max (s) | lost steps median / max | longest step gap (s) | violations |"
-    out = [head, "|" + "---|" * 9]
+    head = "| fault | injected | recoveries | restarts (job requeues) | in place | source tiers | resume median / max (s) | lost steps median / max | longest step gap (s) | violations |"
+    out = [head, "|" + "---|" * 10]
     for r in s["rows"]:
         if not r["injected"]:
-            out.append(f"| {r['kind']} | 0 | | | | | | | {r.get('note', '')} |")
+            out.append(f"| {r['kind']} | 0 | | | | | | | | {r.get('note', '')} |")
             continue
 
         def f(x: Any, fmt: str = "{:.1f}") -> str:
@@ -651,12 +710,13 @@ def format_table(s: dict[str, Any]) -> str:
 
         out.append(
             f"| {r['kind']} | {r['injected']} | {r['recoveries']} | {r['restarts']} ({r['relaunches']}) | "
+            f"{r.get('in_place', 0)} | "
             f"{', '.join(f'{k} {v}' for k, v in sorted(r['tiers'].items())) or '-'} | "
             f"{f(r['resume_median_s'])} / {f(r['resume_max_s'])} | "
             f"{f(r['lost_steps_median'], '{:g}')} / {f(r['lost_steps_max'], '{:g}')} | "
             f"{r['max_step_gap_s']:.1f} | {r['violations']} |")
     total = sum(r["injected"] for r in s["rows"])
-    out.append(f"| **all** | {total} | | | | | | | {len(s['violations'])} |")
+    out.append(f"| **all** | {total} | | | | | | | | {len(s['violations'])} |")
     return "\n".join(out)
 
 
@@ -722,12 +782,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", default="/tmp/aegis-chaos")
     p.add_argument("--no-network", action="store_true", help="no network namespaces (no partitions)")
     p.add_argument("--out", default=None, help="write the summary JSON here")
+    p.add_argument("--in-process", action="store_true",
+                   help="the trainer recovers in place (aegis.run_in_process)")
     a = p.parse_args(argv)
     kinds = tuple(k for k in a.kinds.split(",") if k)
     bad = set(kinds) - set(KINDS)
     if bad:
         p.error(f"unknown fault kinds {sorted(bad)}; choose from {', '.join(KINDS)}")
-    cfg = Config(seed=a.seed, faults=a.faults, kinds=kinds, workdir=Path(a.workdir), network=not a.no_network)
+    cfg = Config(seed=a.seed, faults=a.faults, kinds=kinds, workdir=Path(a.workdir), network=not a.no_network,
+                 in_process=a.in_process)
     s = Campaign(cfg).run()
     print()
     print(format_table(s))

@@ -28,3 +28,24 @@ def test_chaos_slice(tmp_path: Path) -> None:
         # Everything that ran held; say plainly what could not run here instead of passing.
         pytest.skip(f"{cfg.faults} faults held every invariant, but {missing} could not be "
                     f"injected on this machine: {s['network_note'] or 'needs root'}")
+
+
+@pytest.mark.timeout(900)
+def test_chaos_slice_in_process(tmp_path: Path) -> None:
+    """The faults that in-process recovery handles differently (`make chaos-inprocess` runs all
+    50): a frozen node fenced off and rejoining, a cut link, a second loss while the survivors
+    re-form (the replacements join the forming round). Same invariants; no worker restarts."""
+    kinds = ("freeze", "partition", "double_kill")
+    cfg = Config(seed=3, faults=len(kinds), kinds=kinds, workdir=tmp_path / "chaos",
+                 reference_steps=25, in_process=True)
+    s = Campaign(cfg).run()
+    (tmp_path / "summary.json").write_text(json.dumps(s, indent=1, default=str))
+    report = format_table(s) + "\n" + "\n".join(s["violations"])
+    assert s["faults_injected"] == cfg.faults, report
+    assert not s["violations"], f"{report}\nlogs: {cfg.workdir}"
+    assert all(r["restarts"] == 0 for r in s["records"]), report  # every recovery in place
+    assert all(r["in_place"] > 0 for r in s["records"]), report
+    missing = [r["kind"] for r in s["rows"] if r["kind"] in kinds and not r["injected"]]
+    if missing:
+        pytest.skip(f"{cfg.faults} faults held every invariant, but {missing} could not be "
+                    f"injected on this machine: {s['network_note'] or 'needs root'}")
