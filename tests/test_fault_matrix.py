@@ -21,13 +21,28 @@ CASES = {
     # on every node, so one node is enough to restore from
     "during-another-recovery": ([Kill(after_step=5, node="node-1"), Kill(fault="0:*:restore")], 2),
 }
+# Two recovery modes: torchrun restarts every worker, or the survivors recover in place
+# (aegis.run_in_process) and the replacement joins at a snapshot. The losses in the middle of a
+# snapshot's replication or commit, and during another recovery, run in both; the idle and
+# staging cases run in one mode each, to keep the suite's time.
+MODES = [(name, mode) for name in CASES for mode in ("restart", "in-process")
+         if (name, mode) not in {("idle-replacement", "in-process"), ("while-staging", "restart"),
+                                 ("idle-shrink", "restart")}]
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("name", list(CASES))
-def test_node_loss(name: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("name", "mode"), MODES, ids=[f"{n}-{m}" for n, m in MODES])
+def test_node_loss(name: str, mode: str, tmp_path: Path) -> None:
     kills, replicas = CASES[name]
-    result = Scenario(tmp_path / name, kills, replicas=replicas, steps=12, job=name).run()
+    result = Scenario(tmp_path / name, kills, replicas=replicas, steps=12, job=name,
+                      in_process=mode == "in-process").run()
     report = "\n".join(f"[{'PASS' if ok else 'FAIL'}] {what}" for what, ok in result.checks)
     assert result.ok, f"{report}\nlogs: {result.workdir}"
     assert len(result.kills) == len(kills)
+    if mode == "in-process":  # no survivor was restarted: one Manager start per round per rank
+        survivors = {e["_node"] for e in result.events if e["event"] == "start"
+                     and e["time"] < result.kills[0].t_kill} - {k.node for k in result.kills}
+        pids = {(e["_node"], e["pid"]) for e in result.events if e["event"] == "start"
+                and e["_node"] in survivors}
+        assert len(pids) == len(survivors), pids
+        assert any(e["event"] == "recovery" for e in result.events)

@@ -121,6 +121,9 @@ class Scenario:
     job: str = "scenario"
     timeout: float = 300.0
     extra_args: list[str] = field(default_factory=list)
+    # aegis.run_in_process: survivors recover in place; replacements (their own torchrun
+    # rendezvous) join at a snapshot; the world may shrink to nodes - 1 meanwhile
+    in_process: bool = False
 
     def run(self) -> ScenarioResult:
         work = Path(self.workdir)
@@ -130,11 +133,14 @@ class Scenario:
         loss_log, digest_log = work / "loss.jsonl", work / "digest.jsonl"
         fault_spec = ",".join(k.fault for k in self.kills if k.fault)
         shrink = any(not k.replace for k in self.kills)
+        lost = sum(1 for k in self.kills if not k.replace)
+        inproc = ["--in-process", "--min-world", str(max(1, self.nodes - max(1, lost)))] if self.in_process else []
         cluster = SimCluster(
             work,
             [TRAINER, "--config", self.config, "--steps", str(self.steps), "--dropout", "0.1",
              "--job", self.job, "--replicas", str(self.replicas), "--loss-log", str(loss_log),
-             "--digest-log", str(digest_log), "--step-sleep", str(self.step_sleep), *self.extra_args],
+             "--digest-log", str(digest_log), "--step-sleep", str(self.step_sleep), *inproc,
+             *self.extra_args],
             nodes=self.nodes,
             min_nodes=self.nodes - sum(1 for k in self.kills if not k.replace) if shrink else self.nodes,
             max_nodes=self.nodes,
@@ -151,21 +157,39 @@ class Scenario:
                 survivors = [n for n in cluster.alive_nodes() if n != node]
                 old = {p for n in survivors for p in cluster.nodes[n].workers()}
                 t_kill = cluster.kill_node(node)
-                if kill.replace:
-                    cluster.add_node()
-                t_detect = wait_exited(old, max(deadline - time.monotonic(), 1))
-                committed = sorted({
-                    s.step for n in survivors
-                    for s in NodeStore(cluster.nodes[n].store_dir, self.job).steps() if s.committed
-                })
+                if self.in_process:
+                    # the survivors keep their processes and restore ~1 s after the kill (they
+                    # wait for the lost peer's heartbeat to go silent): read what they hold now
+                    time.sleep(0.3)
+                    committed = self._committed(cluster, survivors)
+                    if kill.replace:
+                        cluster.add_node(solo=True)
+                    t_detect = None
+                else:
+                    if kill.replace:
+                        cluster.add_node()
+                    t_detect = wait_exited(old, max(deadline - time.monotonic(), 1))
+                    committed = self._committed(cluster, survivors)
                 records.append(KillRecord(node, t_kill, t_detect, committed, trigger))
-            codes = cluster.wait(max(deadline - time.monotonic(), 1))
+            if self.in_process:
+                # a lost node's agent never reaches torchrun's exit barrier: the survivors'
+                # agents wait there (see SimCluster.wait_workers); the job is over when the
+                # workers are, each having exited 0 (from the agents' logs)
+                done = cluster.wait_workers(max(deadline - time.monotonic(), 1))
+                codes = {n: (0 if done and not _worker_failed(cluster.nodes[n].log) else 1)
+                         for n in cluster.alive_nodes()}
+            else:
+                codes = cluster.wait(max(deadline - time.monotonic(), 1))
         finally:
             cluster.shutdown()
         result = ScenarioResult(work, codes, records, read_jsonl(loss_log), read_jsonl(digest_log),
                                 read_events(work))
         self._check(result)
         return result
+
+    def _committed(self, cluster: SimCluster, nodes: list[str]) -> list[int]:
+        return sorted({s.step for n in nodes
+                       for s in NodeStore(cluster.nodes[n].store_dir, self.job).steps() if s.committed})
 
     def _wait_trigger(self, kill: Kill, cluster: SimCluster, loss_log: Path, faults: Path,
                       deadline: float) -> tuple[str, str]:
@@ -227,6 +251,14 @@ class Scenario:
                 f"loss {i + 1}: restored state equals the state saved at step {step}",
                 bool(back) and saved.get(step) == back[0]["digest"],
             ))
+
+
+def _worker_failed(log: Path) -> bool:
+    """torchrun's agent logs every worker that exited non-zero ("failed (exitcode: N)")."""
+    try:
+        return "failed (exitcode:" in log.read_text(errors="replace")
+    except OSError:
+        return True
 
 
 def main(argv: list[str] | None = None) -> int:
