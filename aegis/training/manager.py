@@ -577,8 +577,8 @@ class Manager:
         self.engine.abort(begin=begin)
         if self.uploader is not None:
             if begin:
-                self.uploader._queue.put(None)
-            else:
+                self.uploader.abort()
+            else:  # the running upload ends at its next collective if a peer is gone
                 self.uploader._thread.join(timeout=5)
         if not begin and self.durable_store is not None:
             with contextlib.suppress(Exception):
