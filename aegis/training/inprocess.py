@@ -162,7 +162,16 @@ class _Heartbeat:
         self._thread.start()
 
     def watch(self, uids: list[str]) -> None:
+        """Watch ``uids`` from now on. One not watched before counts as just seen: until this
+        thread reads its counter, the last reading (if any) is from before it was left out
+        (a frozen process that came back would look silent for as long as it was away, and a
+        round would form without it; seen in CI under load). It is dead only once its counter
+        has not moved for ``dead_after_s`` from now."""
+        now = time.monotonic()
         with self._lock:
+            for u in uids:
+                if u not in self._watch:
+                    self._seen[u] = (-1, now)  # no counter reads -1: the first read moves it
             self._watch = list(uids)
             self._fenced.clear()
 
