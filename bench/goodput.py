@@ -18,6 +18,12 @@ the window: a fixed rate, every failure at an unrelated point of the snapshot pa
    replica a lost node's shard exists only on the durable tier, so every recovery goes back to
    the newest durable step (the survivors read their own shards of it locally, the replacement
    downloads its shard). Memory snapshots are taken only at durable steps.
+4. **(c) memory + durable, in-process**: as (a), with ``--in-process``
+   (``aegis.run_in_process``, min world ``nodes - 1``): the survivors re-form their groups and
+   restore in place; the replacement (its own torchrun rendezvous) joins at a snapshot. Its
+   restart is the kill -> first step after the shrink's restore, plus the survivors' stall
+   while the replacement is admitted (the grow's restore). The planner is given that restart
+   time; the restart share should fall against (a) by the ratio of the two restart times.
 
 Measured per arm, from the rank-0 loss log and the kill times: the step time ``t`` (mean
 wall time between consecutive steps, less the save); effective training time = (last step at
@@ -130,13 +136,15 @@ def calibrate(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 
 def run_arm(args: argparse.Namespace, name: str, work: Path, every: int, durable_every: int,
-            replicas: int) -> dict[str, Any]:
+            replicas: int, *, in_process: bool = False) -> dict[str, Any]:
     """Train for the window, losing a node every ``mtbf`` seconds; measure what happened."""
     work.mkdir(parents=True)
     loss_log = work / "loss.jsonl"
     window = args.failures * args.mtbf
-    cluster = _cluster(work, name, _train_args(args, name, work, every, durable_every, replicas,
-                                                1_000_000), args.nodes)
+    train = _train_args(args, name, work, every, durable_every, replicas, 1_000_000)
+    if in_process:
+        train += ["--in-process", "--min-world", str(args.nodes - 1)]
+    cluster = _cluster(work, name, train, args.nodes)
     kills: list[dict[str, Any]] = []
     try:
         cluster.start()
@@ -153,7 +161,7 @@ def run_arm(args: argparse.Namespace, name: str, work: Path, every: int, durable
             alive = sorted(cluster.alive_nodes(), key=lambda n: cluster.nodes[n].index)
             victim = alive[(i + 1) % len(alive)]
             t_kill = cluster.kill_node(victim)
-            replacement = cluster.add_node().node_id
+            replacement = cluster.add_node(solo=in_process).node_id
             kills.append({"t_kill": t_kill, "offset_s": t_kill - t_start, "node": victim,
                           "replacement": replacement})
         t_end = t_start + window
@@ -187,6 +195,18 @@ def run_arm(args: argparse.Namespace, name: str, work: Path, every: int, durable
                  restore_tiers=sorted({s["tier"] for s in rs.get("sources", [])}))
         restart_s.append(first["time"] - k["t_kill"] - t)
         recompute_s.append((last["step"] - rs["step"]) * t + max(0.0, k["t_kill"] - last["time"]))
+        if in_process:
+            # the replacement admitted at a snapshot: every rank re-forms and reshards once more
+            grow = next((e for e in restores if e["time"] > rs["time"]
+                         and e.get("world_size") == args.nodes), None)
+            if grow is not None:
+                g_before = [r for r in records if r["time"] < grow["time"]]
+                g_after = [i for i, r in enumerate(records) if r["time"] > grow["time"]]
+                if g_before and g_after:
+                    firsts.add(g_after[0])
+                    stall = records[g_after[0]]["time"] - g_before[-1]["time"] - t
+                    k.update(grow_stall_s=stall, grow_step=grow["step"])
+                    restart_s[-1] += stall
         k.update(restart_s=restart_s[-1], recompute_s=recompute_s[-1])
     last_step = records[-1]["step"]
     useful = (last_step - 1) * t
@@ -201,6 +221,7 @@ def run_arm(args: argparse.Namespace, name: str, work: Path, every: int, durable
     m = measured_from_events(work / "events")
     return {
         "name": name, "every": every, "durable_every": durable_every, "replicas": replicas,
+        "in_process": in_process,
         "window_s": window, "t_start": t_start, "t_end": t_end, "step_s": t,
         "last_step": last_step, "kills": kills, "alive_at_end": alive_at_end,
         "measured": measured,
@@ -303,11 +324,13 @@ def main(argv: list[str] | None = None) -> int:
               f"(durable steps {cal['durable_snapshot_s'] * 1e3:.1f} ms), upload {cal['durable_latency_s'] * 1e3:.0f} ms"
               f" -> memory every {cal['memory_every']}, durable every {cal['durable_every']} steps", flush=True)
         e, d = cal["memory_every"], cal["durable_every"]
-        arms = [("a", "memory + durable", e, e * max(1, round(d / e)), 1),
-                ("b", "durable only", d, d, 0)]
+        arms = [("a", "memory + durable", e, e * max(1, round(d / e)), 1, False),
+                ("b", "durable only", d, d, 0, False),
+                ("c", "memory + durable, in-process", e, e * max(1, round(d / e)), 1, True)]
         results = []
-        for key, label, every, durable_every, replicas in arms:
-            arm = run_arm(args, f"arm-{key}", work / f"arm-{key}", every, durable_every, replicas)
+        for key, label, every, durable_every, replicas, inproc in arms:
+            arm = run_arm(args, f"arm-{key}", work / f"arm-{key}", every, durable_every, replicas,
+                          in_process=inproc)
             arm["label"] = f"({key}) {label}"
             arm["predicted"] = predict(arm, args.failures)
             arm["predicted_events_only"] = predict(arm, args.failures, events_only=True)
@@ -318,7 +341,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{arm['label']}: measured {arm['measured']['effective']:.1%}, predicted "
                   f"{arm['predicted']['effective']:.1%}", flush=True)
         doc["arms"] = results
-        a, b = results
+        a, b, c = results
+        doc["in_process_vs_restart"] = {
+            "restart_s": [a["costs"]["restart_s"], c["costs"]["restart_s"]],
+            "predicted_restart_share": [a["predicted"]["restart"], c["predicted"]["restart"]],
+            "measured_restart_share": [a["measured"]["restart"], c["measured"]["restart"]],
+            "predicted_factor": a["costs"]["restart_s"] / c["costs"]["restart_s"],
+            "measured_factor": (a["measured"]["restart"] / c["measured"]["restart"]
+                                if c["measured"]["restart"] else None),
+        }
         doc["planner_costs"] = {
             "memory_snapshot_s": a["costs"]["memory_snapshot_s"],
             "durable_snapshot_s": b["costs"]["durable_snapshot_s"],
@@ -368,6 +399,13 @@ def render(doc: dict[str, Any]) -> str:
             extra = f"{x['unaccounted']:+.1%}" if kind == "measured" else ""
             out.append(f"| {r['label']} | {kind} | {x['checkpoint']:.1%} | {x['recompute']:.1%} | "
                        f"{x['restart']:.1%} | {x['effective']:.1%} | {extra} |")
+    ip = doc.get("in_process_vs_restart")
+    if ip:
+        out += ["", f"In-process against restart (arms (c) and (a)): restart {ip['restart_s'][0]:.1f} s -> "
+                f"{ip['restart_s'][1]:.1f} s, so the restart share should fall {ip['predicted_factor']:.1f}x "
+                f"(predicted {ip['predicted_restart_share'][0]:.1%} -> {ip['predicted_restart_share'][1]:.1%}); "
+                f"measured {ip['measured_restart_share'][0]:.1%} -> {ip['measured_restart_share'][1]:.1%} "
+                f"({ip['measured_factor']:.1f}x)." if ip["measured_factor"] else ""]
     m = doc["machine"]
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(doc["started"]))
     out += ["", f"`{portable_command(doc['command'])}` ({started}, {doc['wall_s'] / 60:.1f} min; {m['cpu_count']} cores, "
