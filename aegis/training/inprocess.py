@@ -553,8 +553,17 @@ def _run_round(train: Callable[[World], Any], world: World) -> Any:
     return box.get("result")
 
 
+def _backoff_s(misses: int) -> float:
+    """How long a process that missed ``misses`` admitted rounds in a row waits before it
+    registers again: none for the first (a frozen process back), then 1, 2, 4 ... 30 s. Every
+    registration makes the survivors end a round at their next snapshot; a process too slow to
+    make it in (seen in the chaos campaign at a load of 40 on 2 cores: its threads starved past
+    ``dead_after_s``) would otherwise cost them a round per step."""
+    return 0.0 if misses <= 1 else min(30.0, 2.0 ** (misses - 2))
+
+
 def _join_running(store: dist.TCPStore, uid: str, hb: _Heartbeat, *, dead_after_s: float,
-                  timeout_s: float) -> tuple[int, list[str] | None]:
+                  timeout_s: float, misses: int = 0) -> tuple[int, list[str] | None]:
     """A process that starts while the job runs (a replacement node, a worker restarted by its
     launcher) or that a round was formed without (it was frozen or cut off, then came back):
     register, then wait to be admitted. Returns the round to form and its ``previous`` list
@@ -566,7 +575,13 @@ def _join_running(store: dist.TCPStore, uid: str, hb: _Heartbeat, *, dead_after_
     * when no member of the newest round is alive (its heartbeats stopped: the whole job was
       restarted by its launcher), the processes waiting here form the next round among
       themselves (``WORLD_SIZE`` of them, as in the first round) and restore from the stores.
+
+    ``misses``: admitted rounds this process missed in a row; it registers after
+    :func:`_backoff_s` of them, and again after a longer wait each time its slot is admitted
+    into a round it misses.
     """
+    if not _backoff(store, _backoff_s(misses)):
+        return -1, None
     slot = store.add("aegis/join/count", 1)
     store.set(f"aegis/join/slot/{slot}", uid)
     store.set(f"aegis/join/slot_of/{uid}", str(slot))
@@ -590,7 +605,10 @@ def _join_running(store: dist.TCPStore, uid: str, hb: _Heartbeat, *, dead_after_
         if store.add(f"aegis/round/{r + 1}/count", 0) > 0:  # survivors are forming a round
             return r + 1, members
         if int(store.add("aegis/admitted", 0)) >= slot and not store.check([key]):
-            # its slot was admitted into a round it missed (it joined another one): a new slot
+            # its slot was admitted into a round it missed: a new slot, after a while
+            misses += 1
+            if not _backoff(store, _backoff_s(misses)):
+                return -1, None
             slot = store.add("aegis/join/count", 1)
             store.set(f"aegis/join/slot/{slot}", uid)
             store.set(f"aegis/join/slot_of/{uid}", str(slot))
@@ -603,6 +621,16 @@ def _join_running(store: dist.TCPStore, uid: str, hb: _Heartbeat, *, dead_after_
                                  f"admitted within {timeout_s:.0f} s: the job saves no snapshot, "
                                  "or has ended")
         time.sleep(0.02)
+
+
+def _backoff(store: dist.TCPStore, wait_s: float) -> bool:
+    """Sleep ``wait_s`` unless the job finishes meanwhile (then False)."""
+    until = time.monotonic() + wait_s
+    while time.monotonic() < until:
+        if store.check([f"aegis/round/{_latest_round(store)}/done"]):
+            return False
+        time.sleep(min(0.2, max(0.0, until - time.monotonic())))
+    return True
 
 
 def _emit_recovery(w: World) -> None:
@@ -660,6 +688,7 @@ def run_in_process(
     r = 0
     previous: list[str] | None = None
     restarts = 0
+    misses = 0  # rounds formed without this process in a row (see _backoff_s)
     timings: dict[str, float] = {}
     failed_at: float | None = None
     join = store.check(["aegis/round/0/members"])  # the job runs already: join it
@@ -668,7 +697,7 @@ def run_in_process(
             t0 = time.perf_counter()
             if join:
                 r, previous = _join_running(store, uid, hb, dead_after_s=dead_after_s,
-                                            timeout_s=form_timeout.total_seconds())
+                                            timeout_s=form_timeout.total_seconds(), misses=misses)
                 join = False
                 if r < 0:
                     return None
@@ -676,7 +705,9 @@ def run_in_process(
                 members, admitted = membership.form(r, previous, first)
             except _Excluded:
                 join = True  # left out while silent: register and come back at a snapshot
+                misses += 1
                 continue
+            misses = 0
             t1 = time.perf_counter()
             rank = members.index(uid)
             hb.watch([u for u in members if u != uid])

@@ -1,6 +1,7 @@
 """A short, fixed-seed slice of the chaos campaign, so CI guards it (`make chaos` runs it all).
 
-One fault of each kind, in the seeded order, on the simulated cluster with memory snapshots
+One fault of each kind (restart mode: all but freeze and double kill, which the in-process
+slice runs), in the seeded order, on the simulated cluster with memory snapshots
 every step, replication and durable uploads to a loopback S3 server; every invariant of
 :mod:`tests.chaos.campaign` is checked after every fault.
 """
@@ -14,16 +15,21 @@ import pytest
 
 from tests.chaos.campaign import KINDS, Campaign, Config, format_table
 
+# Restart mode: the kinds the in-process slice below does not run (a frozen node and a double
+# kill under torchrun restarts are in `make chaos`; they cost this suite ~1.5 min more).
+RESTART_KINDS = tuple(k for k in KINDS if k not in ("freeze", "double_kill"))
+
 
 @pytest.mark.timeout(1200)
 def test_chaos_slice(tmp_path: Path) -> None:
-    cfg = Config(seed=3, faults=len(KINDS), workdir=tmp_path / "chaos", reference_steps=25)
+    cfg = Config(seed=3, faults=len(RESTART_KINDS), kinds=RESTART_KINDS, workdir=tmp_path / "chaos",
+                 reference_steps=25)
     s = Campaign(cfg).run()
     (tmp_path / "summary.json").write_text(json.dumps(s, indent=1, default=str))
     report = format_table(s) + "\n" + "\n".join(s["violations"])
     assert s["faults_injected"] == cfg.faults, report
     assert not s["violations"], f"{report}\nlogs: {cfg.workdir}"
-    missing = [r["kind"] for r in s["rows"] if not r["injected"]]
+    missing = [r["kind"] for r in s["rows"] if r["kind"] in RESTART_KINDS and not r["injected"]]
     if missing:
         # Everything that ran held; say plainly what could not run here instead of passing.
         pytest.skip(f"{cfg.faults} faults held every invariant, but {missing} could not be "
