@@ -176,8 +176,9 @@ class Scenario:
                 # agents wait there (see SimCluster.wait_workers); the job is over when the
                 # workers are, each having exited 0 (from the agents' logs)
                 done = cluster.wait_workers(max(deadline - time.monotonic(), 1))
-                codes = {n: (0 if done and not _worker_failed(cluster.nodes[n].log) else 1)
-                         for n in cluster.alive_nodes()}
+                codes: dict[str, int | None] = {
+                    n: (0 if done and not _worker_failed(cluster.nodes[n].log) else 1)
+                    for n in cluster.alive_nodes()}
             else:
                 codes = cluster.wait(max(deadline - time.monotonic(), 1))
         finally:
