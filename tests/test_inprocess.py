@@ -325,3 +325,30 @@ def test_a_replacement_joins_the_running_job_at_the_next_snapshot(tmp_path: Path
         [e for e in out["n0"] if e["event"] == "step"][1:], strict=True)
         if a["round"] == 1 and b["round"] == 2)
     print(f"survivor stall while the replacement joined: {stall:.2f} s")
+
+
+def test_a_member_watched_anew_counts_as_just_seen_and_rejoin_backs_off(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unit checks, real TCPStore: a member watched again after it was left out is not judged
+    on its reading from before (CI: a round formed without a woken peer); a process that keeps
+    missing admitted rounds registers again only after a growing wait, and stops waiting once
+    the job is done."""
+    from aegis.training import inprocess as ip
+
+    store = torch.distributed.TCPStore("127.0.0.1", free_port(), is_master=True,
+                                       wait_for_workers=False, timeout=timedelta(seconds=10))
+    monkeypatch.setenv("AEGIS_MEMBERSHIP", f"127.0.0.1:{store.port}")
+    hb = ip._Heartbeat("me", 0.05, timedelta(seconds=10))
+    try:
+        hb._seen["peer"] = (7, time.monotonic() - 60.0)  # last moved a minute ago, then unwatched
+        hb.watch(["peer"])
+        assert hb.silent_for("peer") < 1.0
+        hb.watch(["peer", "other"])  # still watched: its reading is kept
+        time.sleep(0.3)  # "peer" never beats: silent since it was watched anew
+        assert hb.silent_for("peer") >= 0.25
+    finally:
+        hb.stop()
+    assert [ip._backoff_s(m) for m in range(8)] == [0, 0, 1, 2, 4, 8, 16, 30]
+    store.set("aegis/round/0/done", "1")
+    t = time.monotonic()
+    assert ip._backoff(store, 30.0) is False and time.monotonic() - t < 5
