@@ -90,6 +90,7 @@ class World:
     restarts: int = 0  # rounds this process re-entered train() after a failure
     timings: dict[str, float] = field(default_factory=dict)  # the last recovery's phases (s)
     failed_at: float | None = None  # time.time() when this process saw the last failure
+    cause: str | None = None  # why the previous round ended, as this process saw it
 
 
 # -- Managers of the current round: aborted (no collectives) when the round fails -------------
@@ -645,7 +646,8 @@ def _emit_recovery(w: World) -> None:
         with open(os.path.join(root, f"rank-{w.rank:05d}.jsonl"), "a") as fh:
             fh.write(json.dumps({"time": time.time(), "event": "recovery", "rank": w.rank,
                                  "round": w.round, "world_size": w.size, "node": w.node,
-                                 "failed_at": w.failed_at, "timings": w.timings}) + "\n")
+                                 "failed_at": w.failed_at, "cause": w.cause,
+                                 "timings": w.timings}) + "\n")
 
 
 def run_in_process(
@@ -691,6 +693,7 @@ def run_in_process(
     misses = 0  # rounds formed without this process in a row (see _backoff_s)
     timings: dict[str, float] = {}
     failed_at: float | None = None
+    cause: str | None = None
     join = store.check(["aegis/round/0/members"])  # the job runs already: join it
     try:
         while True:
@@ -703,9 +706,10 @@ def run_in_process(
                     return None
             try:
                 members, admitted = membership.form(r, previous, first)
-            except _Excluded:
+            except _Excluded as e:
                 join = True  # left out while silent: register and come back at a snapshot
                 misses += 1
+                cause = str(e)
                 continue
             misses = 0
             t1 = time.perf_counter()
@@ -720,7 +724,8 @@ def run_in_process(
             if restarts:
                 timings.update(agree_s=t1 - t0, regroup_s=t2 - t1)
             world = World(rank=rank, size=len(members), round=r, node=node, members=members,
-                          restarts=restarts, timings=dict(timings), failed_at=failed_at)
+                          restarts=restarts, timings=dict(timings), failed_at=failed_at,
+                          cause=cause)
             if restarts:
                 _emit_recovery(world)
             publish_ports()  # the default group's sockets
@@ -735,11 +740,13 @@ def run_in_process(
             except Regroup as e:  # every rank, after the same committed snapshot
                 registered = e.registered
                 failed_at = None
+                cause = f"regroup: {e}"
             except BaseException as e:
                 if not is_peer_failure(e) or restarts >= max_restarts:
                     raise
                 failed_at = time.time()
                 registered = 0
+                cause = f"{type(e).__name__}: {e}"[:500]
             finally:
                 _Round.active = False
             # Out of the except block: the exception and its frames (holding the round's model,
