@@ -3,7 +3,8 @@
 ``AEGIS_FAIL_AT="<rank>:<step>:<phase>"`` (several separated by ``,``; step ``*`` = any) in the
 environment of the training processes. Phases: ``stage`` (halfway through the blocking copy),
 ``complete`` (after the checksums, before the shard's index is written), ``replicate`` (before
-the shard is pushed to its peers), ``commit`` (on a node leader, right before its manifest is
+the shard is pushed to its peers), ``encode`` (before the XOR parity segments are exchanged),
+``commit`` (on a node leader, right before its manifest is
 written), ``restore`` (after the restore decision, before any shard is fetched or loaded), ``upload`` (on
 rank 0, after every chunk of a durable step is uploaded, before its manifest is put).
 
@@ -23,7 +24,7 @@ import time
 
 __all__ = ["PHASES", "fail_at", "hit"]
 
-PHASES = ("stage", "complete", "replicate", "commit", "restore", "upload")
+PHASES = ("stage", "complete", "replicate", "encode", "commit", "restore", "upload")
 
 
 def _parse(spec: str) -> list[tuple[int, int | None, str]]:

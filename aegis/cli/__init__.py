@@ -39,7 +39,9 @@ Fields are only ever added within a schema version. Sizes are bytes, times are U
   timings, shards: [{rank, node, size, chunks, raw_bytes, stored_bytes, replicas}] (DCP: [{file,
   size}]), entries: [{name, kind ("tensor" | "object"), dtype, shape, shards, bytes, value?}],
   state_kinds: {state name: "sharded" | "per_rank" | "replicated"}`` (per_rank entries are keyed
-  ``per_rank.rankNNNNN.<name>``: one copy per rank; ``{}`` for DCP directories),
+  ``per_rank.rankNNNNN.<name>``: one copy per rank; ``{}`` for DCP directories), redundancy:
+  ``{scheme: "replica", copies}`` or ``{scheme: "xor", groups: [{members, nodes,
+  parity_bytes_per_member, survives_losses}]}`` (null for DCP directories),
   ``tensor?: {name, dtype, shape, numel, min, max, mean, norm, nan, inf}`` (``value`` only with
   --unsafe-load-objects: its ``repr``; ``tensor`` only with --tensor).
 * ``aegis.verify/1``: ``ok, checksums (false for a plain DCP directory: only presence and
@@ -259,6 +261,13 @@ def _summary_table(snap: Snapshot, summary: dict[str, Any]) -> Table:
                   f"{', '.join(sorted({s['node'] for s in shards}))})")
     elif shards:
         t.add_row("files", f"{len(shards)} ({fmt_bytes(sum(s['size'] or 0 for s in shards))})")
+    red = summary.get("redundancy")
+    if red and red["scheme"] == "replica":
+        t.add_row("redundancy", f"whole replicas ({red['copies']} per shard)")
+    elif red:
+        t.add_row("redundancy", f"{red['scheme']} parity, survives 1 lost node per group: " + "; ".join(
+            f"ranks {g['members']} on {', '.join(g['nodes'])} ({fmt_bytes(g['parity_bytes_per_member'])} "
+            "parity each)" for g in red["groups"]))
     n_t = sum(isinstance(e, TensorEntry) for e in snap.entries.values())
     t.add_row("entries", f"{n_t} tensors, {len(snap.entries) - n_t} objects")
     kinds = summary.get("state_kinds") or {}
@@ -338,7 +347,8 @@ def inspect_cmd(uri: str, step: int | None, tensor_name: str | None, job: str | 
                "created": summary["created"], "age_s": _age(summary["created"]),
                "format_version": summary["format_version"], "mesh": summary["mesh"],
                "timings": summary["timings"], "shards": summary["shards"], "entries": entries,
-               "state_kinds": summary.get("state_kinds") or {}}
+               "state_kinds": summary.get("state_kinds") or {},
+               "redundancy": summary.get("redundancy")}
         if stats is not None:
             doc["tensor"] = {k: json_number(v) if isinstance(v, float) else v for k, v in stats.items()}
         _emit_json(doc)

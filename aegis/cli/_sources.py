@@ -231,6 +231,18 @@ class Snapshot(abc.ABC):
 # -- aegis snapshots (node store and durable tier) ------------------------------------------------
 
 
+def _redundancy_summary(m: Manifest) -> dict[str, Any]:
+    """The scheme that protects the snapshot in memory, and which node holds what."""
+    if m.redundancy is None:
+        return {"scheme": "replica",
+                "copies": min((len(s.replicas) for s in m.shards), default=0)}
+    nodes = m.nodes()
+    return {"scheme": m.redundancy.scheme, "groups": [
+        {"members": list(g.members), "nodes": [nodes[r] for r in g.members],
+         "parity_bytes_per_member": g.segment_size, "survives_losses": 1}
+        for g in m.redundancy.groups]}
+
+
 def _needed_chunks(manifest: Manifest, names: Collection[str] | None) -> dict[int, set[int]]:
     """shard rank -> chunk indices holding the items of ``names`` (None: every chunk)."""
     out: dict[int, set[int]] = {}
@@ -283,6 +295,7 @@ class _AegisSnapshot(Snapshot):
                 }
                 for s in m.shards
             ],
+            "redundancy": _redundancy_summary(m),
         }
 
     def fetch_bytes(self, names: Collection[str]) -> int:
@@ -406,6 +419,18 @@ class NodeStoreSource(Source):
                             res.failures.append(self._failure(step, rec.rank, None, str(e)))
                 finally:
                     m_.close()
+        # XOR parity held here: every parity file against its recorded size and crc32c
+        # (a member's parity lives next to its own shard)
+        info = next((i for i in self.store.steps() if i.step == step), None)
+        here = set(info.parity_ranks + info.shard_ranks) if info is not None else set()
+        for g in m.redundancy.groups if m.redundancy is not None else ():
+            for r, crc in zip(g.members, g.parity_crc32c, strict=True):
+                if r in here:
+                    try:
+                        self.store.verify_parity(step, r, g.segment_size, crc)
+                    except CorruptShardError as e:
+                        res.failures.append(self._failure(step, r, None, str(e)))
+                    res.bytes += g.segment_size
         return res
 
     def prune(self, keep_last: int, keep_every: int, *, dry_run: bool) -> list[int]:

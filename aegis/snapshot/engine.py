@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import crc32c as _crc32c
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.tensor import DTensor
@@ -45,9 +46,17 @@ from aegis.errors import (
     StoreFullError,
 )
 from aegis.snapshot.dcp_io import DEFAULT_CHUNK_BYTES, StagedShard, complete, stage
-from aegis.snapshot.manifest import BytesEntry, Manifest, ShardRecord, TensorEntry
+from aegis.snapshot.erasure import xor_into, xor_layout
+from aegis.snapshot.manifest import (
+    BytesEntry,
+    Manifest,
+    ParityGroup,
+    Redundancy,
+    ShardRecord,
+    TensorEntry,
+)
 from aegis.snapshot.node_store import NodeStore, Slot
-from aegis.snapshot.placement import Placement
+from aegis.snapshot.placement import Placement, parity_groups
 from aegis.snapshot.shard import ShardLayout, check_blob, plan_layout
 from aegis.snapshot.transport import Recv, Send, Transport
 
@@ -61,6 +70,11 @@ def is_store_full(e: BaseException) -> bool:
     if isinstance(e, StoreFullError):
         return True
     return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def _mv(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU uint8 tensor, without a copy."""
+    return memoryview(t.numpy())  # type: ignore[arg-type]  # numpy arrays are buffers
 
 
 def format_bytes(n: float) -> str:
@@ -90,6 +104,8 @@ class SnapshotResult:
     snapshot_bytes: int = 0  # all ranks together (known on every rank after commit)
     replicate_s: float = 0.0
     replica_bytes: int = 0  # replicas this rank received and holds
+    encode_s: float = 0.0  # XOR parity: segments exchanged and folded into this rank's parity
+    parity_bytes: int = 0  # XOR parity this rank holds
     error: str | None = None
     skipped: bool = False  # not committed because a node store was full (training goes on)
 
@@ -195,6 +211,8 @@ class SnapshotEngine:
         on_commit: Callable[[Manifest], None] | None = None,
         extra_snapshots: int = 0,
         state_kinds: Mapping[str, str] | None = None,
+        redundancy: str = "replica",
+        group_size: int = 5,
     ) -> None:
         self.store = store
         # entry name -> kind, recorded in each manifest; the owner (the Manager) fills it in when
@@ -218,9 +236,21 @@ class SnapshotEngine:
         self._pinned: dict[int, int] = {}
         ids = group.all_gather((node, domain or node), "node discovery")
         self.nodes: list[str] = [n for n, _ in ids]
-        self.placement = Placement.build(self.nodes, [d for _, d in ids], replicas)
-        if replicas and transport is None:
-            raise AegisError("replicas > 0 needs a transport")
+        if redundancy not in ("replica", "xor"):
+            raise AegisError(f"redundancy={redundancy!r}: use 'replica' or 'xor'")
+        self.redundancy = redundancy
+        self.placement = Placement.build(self.nodes, [d for _, d in ids],
+                                         replicas if redundancy == "replica" else 0)
+        # XOR parity groups (issue 16): member ranks in order; empty with whole replicas
+        self.groups: list[tuple[int, ...]] = []
+        if redundancy == "xor":
+            try:
+                self.groups = parity_groups(self.placement, group_size)
+            except ValueError as e:
+                raise AegisError(f"redundancy='xor' cannot form parity groups: {e}") from None
+        self.group_of: tuple[int, ...] = next((g for g in self.groups if self.rank in g), ())
+        if (replicas or self.groups) and transport is None:
+            raise AegisError("replicas > 0 or parity groups need a transport")
         self.transport = transport
         self.targets = self.placement.targets(self.rank)
         self.sources = self.placement.sources(self.rank)
@@ -236,9 +266,10 @@ class SnapshotEngine:
         self._planner = DefaultSavePlanner()
         self._plan: _Plan | None = None
         self._pool: list[Slot] = [Slot(p) for p in store.free_slots(self.rank)]
-        self._replica_pool: list[Slot] = [Slot(p) for p in store.free_slots(self.rank, "replica")]
+        self._replica_pool: list[Slot] = [Slot(p, "replica") for p in store.free_slots(self.rank, "replica")]
+        self._parity_pool: list[Slot] = [Slot(p, "parity") for p in store.free_slots(self.rank, "parity")]
         self._next_slot = 1 + max(
-            (int(p.path.name.rsplit(".", 1)[1]) for p in [*self._pool, *self._replica_pool]), default=0
+            (int(p.path.name.rsplit(".", 1)[1]) for p in self._spares()), default=0
         )
         # (step, own slot or None for a step found on restore, replica slots), oldest first
         self._committed: list[tuple[int, Slot | None, list[Slot]]] = []
@@ -337,12 +368,11 @@ class SnapshotEngine:
         finally:
             self._closed = True
             self._executor.shutdown(wait=True)
-            for slot in [*self._pool, *self._replica_pool]:
+            for slot in self._spares():
                 slot.close()
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(slot.path)
-            self._pool.clear()
-            self._replica_pool.clear()
+            self._clear_spares()
             for _, own, replica_slots in self._committed:
                 held: list[Slot | None] = [own, *replica_slots]
                 for s in held:
@@ -362,18 +392,17 @@ class SnapshotEngine:
         if self._executor.alive:
             return  # still blocked (a stopped peer): its slots stay mapped until it ends
         with self._lock:
-            slots = [*self._pool, *self._replica_pool]
+            slots = self._spares()
             if self._inflight is not None and self._inflight[1] is not None:
                 slots.append(self._inflight[1])
             for _, own, replica_slots in self._committed:
                 slots.extend(s for s in (own, *replica_slots) if s is not None)
             for slot in slots:
                 slot.close()
-            for slot in [*self._pool, *self._replica_pool]:
+            for slot in self._spares():
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(slot.path)
-            self._pool.clear()
-            self._replica_pool.clear()
+            self._clear_spares()
             self._committed.clear()
             self._inflight = None
 
@@ -425,7 +454,8 @@ class SnapshotEngine:
         """Fail before the first save if this node's store cannot hold keep + 1 snapshots."""
         per_shard = layout.tensor_end + _TAIL_ALLOWANCE
         # own shard + the replicas this rank receives, for keep + 1 snapshots
-        need = (self.keep + 1 + self.extra_snapshots) * per_shard * (1 + len(self.sources))
+        parity = 1 / (len(self.group_of) - 1) if self.group_of else 0.0
+        need = int((self.keep + 1 + self.extra_snapshots) * per_shard * (1 + len(self.sources) + parity))
         reusable = sum(os.path.getsize(s.path) for s in self._pool if s.path.exists())
         reports = self.group.all_gather(
             (self.node, need, reusable, self.store.free_bytes()), "capacity check"
@@ -467,14 +497,22 @@ class SnapshotEngine:
         slot.move(self.store.shard_path(step, self.rank))
         return slot
 
-    def _release_slot(self, slot: Slot, kind: str = "rank") -> None:
+    def _spares(self) -> list[Slot]:
+        return [*self._pool, *self._replica_pool, *self._parity_pool]
+
+    def _clear_spares(self) -> None:
+        self._pool.clear()
+        self._replica_pool.clear()
+        self._parity_pool.clear()
+
+    def _release_slot(self, slot: Slot) -> None:
         with self._lock:
-            slot.move(self._slot_name(kind))
-            (self._replica_pool if kind == "replica" else self._pool).append(slot)
+            slot.move(self._slot_name(slot.kind))
+            {"replica": self._replica_pool, "parity": self._parity_pool}.get(slot.kind, self._pool).append(slot)
 
     def _replica_slot(self, step: int, src: int, size: int) -> Slot:
         with self._lock:
-            slot = self._replica_pool.pop() if self._replica_pool else Slot(self._slot_name("replica"))
+            slot = self._replica_pool.pop() if self._replica_pool else Slot(self._slot_name("replica"), "replica")
         slot.ensure(size)
         slot.move(self.store.shard_path(step, src))
         return slot
@@ -510,9 +548,21 @@ class SnapshotEngine:
             err, full = err or f"replication: {type(e).__name__}: {e}", False
         result.replicate_s = time.perf_counter() - tr
         result.replica_bytes = sum(s.capacity for s in replica_slots)
+        parity: tuple[int, int] | None = None
+        if self.groups:
+            te = time.perf_counter()
+            try:
+                pslot, parity = self._encode(result.step, slot if err is None else None,
+                                             staged if err is None else None)
+                if pslot is not None:
+                    replica_slots.append(pslot)
+                    result.parity_bytes = pslot.capacity
+            except Exception as e:  # noqa: BLE001 - a member that stopped answering: abort
+                err, full = err or f"parity encoding: {type(e).__name__}: {e}", False
+            result.encode_s = time.perf_counter() - te
         tc = time.perf_counter()
         reports = self.group.gather(
-            (record, err, received, result.blocking_s, result.copy_s, full), "commit gather"
+            (record, err, received, result.blocking_s, result.copy_s, full, parity), "commit gather"
         )
         decision: tuple[str, Any] | None = None
         if self.rank == 0:
@@ -586,7 +636,7 @@ class SnapshotEngine:
             if slot is not None:
                 self._release_slot(slot)
             for rs in replica_slots:
-                self._release_slot(rs, "replica")
+                self._release_slot(rs)
             self.store._rmdir_if_empty(step)
 
     def _replicate(self, step: int, slot: Slot | None, staged: StagedShard | None
@@ -653,6 +703,88 @@ class SnapshotEngine:
         full = bool(no_room) and all(err is None or src in no_room for src, _, err in received)
         return received, list(slots.values()), full
 
+    def _encode(self, step: int, slot: Slot | None, staged: StagedShard | None
+                ) -> tuple[Slot | None, tuple[int, int] | None]:
+        """XOR parity of this rank's stripe, SCR's layout (see ``aegis.snapshot.erasure``).
+
+        Every rank first learns the shard lengths (one all-gather of the snapshot group: the
+        layout needs them). Then N-1 rounds within the group: in round k member i sends its
+        segment for stripe i+k to member i+k, with the segment's crc32c, and receives member
+        i-k's segment for its own stripe, checks its crc32c and folds it into its parity slot.
+        One segment of scratch memory; every member sends about one shard. Returns the parity
+        slot (in the step directory) and (parity bytes, parity crc32c), or (None, None) when a
+        member of the group has no shard (its failure aborts the commit)."""
+        assert self.transport is not None
+        length = staged.layout.tensor_end + len(staged.tail) if staged is not None and slot is not None else -1
+        lengths = self.group.all_gather(length, "parity lengths")
+        members = self.group_of
+        if any(lengths[m] < 0 for m in members):
+            return None, None
+        assert staged is not None and slot is not None
+        layout = xor_layout([lengths[m] for m in members])
+        me, n, size = members.index(self.rank), len(members), layout.segment_size
+        te = staged.layout.tensor_end
+        tail = torch.frombuffer(bytearray(staged.tail), dtype=torch.uint8) if staged.tail else None
+
+        def cut(a: int, b: int) -> list[torch.Tensor]:
+            parts = []
+            if a < min(b, te):
+                parts.append(slot.view[a:min(b, te)])
+            if b > max(a, te) and tail is not None:
+                parts.append(tail[max(a, te) - te:b - te])
+            return parts
+
+        with self._lock:
+            pslot = self._parity_pool.pop() if self._parity_pool else Slot(self._slot_name("parity"), "parity")
+        try:
+            pslot.ensure(size)
+            pslot.move(self.store.parity_path(step, self.rank))
+            parity = pslot.view[:size]
+            parity.zero_()
+            scratch = torch.empty(size + 8, dtype=torch.uint8)
+            _fault.hit("encode", step, self.rank)
+            damaged: list[int] = []  # every round still runs: a peer never waits for a send
+            for k in range(1, n):
+                dst, src = (me + k) % n, (me - k) % n
+                parts = cut(*layout.segment_range(me, dst))
+                crc = 0
+                for part in parts:
+                    crc = _crc32c.crc32c(_mv(part), crc)
+                stamp = torch.frombuffer(bytearray(crc.to_bytes(8, "little")), dtype=torch.uint8)
+                got: list[int] = []
+
+                def alloc(sizes: list[int], got: list[int] = got) -> list[torch.Tensor]:
+                    total = sum(sizes)
+                    if total > size + 8 or not sizes or sizes[-1] != 8:
+                        raise AegisError(f"parity encoding: a segment of {total} bytes for a "
+                                         f"{size}-byte stripe")
+                    got.append(total - 8)
+                    out, pos = [], 0
+                    for nbytes in sizes:
+                        out.append(scratch[pos:pos + nbytes])
+                        pos += nbytes
+                    return out
+
+                self.transport.exchange([Send(members[dst], [*parts, stamp])],
+                                        [Recv(members[src], alloc)])
+                nseg = got[0]
+                seg = _mv(scratch[:nseg])
+                want = int.from_bytes(_mv(scratch[nseg:nseg + 8]), "little")
+                if _crc32c.crc32c(seg) != want:
+                    damaged.append(members[src])
+                    continue
+                xor_into(_mv(parity), seg)
+            if damaged:
+                raise CorruptShardError(
+                    f"XOR segment(s) from rank(s) {damaged} for the parity of rank {self.rank} at "
+                    f"step {step} were damaged in transit (crc32c differs)",
+                    step=step, rank=damaged[0], where=f"parity encoding on node {self.node!r}")
+            pcrc = int(_crc32c.crc32c(_mv(parity)))
+        except BaseException:
+            self._discard(step, None, [pslot])
+            raise
+        return pslot, (size, pcrc)
+
     def _decide_commit(self, step: int, reports: list[Any], complete_s: float) -> tuple[str, Any]:
         """Rank 0: commit only if every shard is stored and every replica verified against the
         owner's index crc32c."""
@@ -675,6 +807,19 @@ class SnapshotEngine:
                     full[holder] = False
                 else:
                     held[src].append(self.nodes[holder])
+        redundancy: Redundancy | None = None
+        if self.groups and not failures:
+            groups = []
+            for members in self.groups:
+                layout = xor_layout([records[m].size for m in members])
+                for m in members:
+                    par = reports[m][6]
+                    if par is None or par[0] != layout.segment_size:
+                        failures.setdefault(m, f"XOR parity not stored (got {par}, expected "
+                                               f"{layout.segment_size} bytes)")
+                groups.append(ParityGroup(members, layout.segment_size,
+                                          tuple(reports[m][6][1] if reports[m][6] else 0 for m in members)))
+            redundancy = Redundancy("xor", tuple(groups))
         if failures:
             # Skipped (not an error) only when every failing rank ran out of node-store room.
             return ("abort", (failures, all(full[r] for r in failures)))
@@ -688,6 +833,7 @@ class SnapshotEngine:
             entries=self._plan.entries if self._plan else {},
             planner_data=self._plan.planner_data if self._plan else {},
             state_kinds=dict(self.state_kinds),
+            redundancy=redundancy,
             mesh=self.mesh,
             timings={
                 "blocking_s_max": max(rep[3] for rep in reports),
@@ -725,7 +871,7 @@ class SnapshotEngine:
             if slot is not None:
                 self._release_slot(slot)
                 for rs in replica_slots:
-                    self._release_slot(rs, "replica")
+                    self._release_slot(rs)
                 self.store._rmdir_if_empty(step)
             elif self.is_leader:
                 self.store.remove_step(step)  # from an earlier run: nobody maps its files

@@ -48,6 +48,7 @@ __all__ = [
     "xor_encode",
     "xor_verify",
     "xor_rebuild",
+    "xor_into",
     "RS_DEFAULT_EC_TYPE",
     "RS_FALLBACK_EC_TYPE",
     "RsLayout",
@@ -216,6 +217,12 @@ class XorLayout:
             if stop > start:
                 needs[j] = tuple(i for i in self.contributors(j) if i != lost)
         return needs
+
+
+def xor_into(out: Buffer, data: Buffer) -> None:
+    """``out[:len(data)] ^= data`` in place (``out`` writable): one member's segment folded
+    into a parity buffer as it arrives, so a holder needs one segment of scratch, not N-1."""
+    _xor_all(_view(out), [_view(data)])
 
 
 @dataclass(frozen=True)

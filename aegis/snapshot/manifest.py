@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from aegis.errors import IncompatibleSnapshotError, ManifestError
+from aegis.snapshot.erasure import xor_layout
 
 __all__ = [
     "FORMAT_VERSION",
@@ -45,12 +46,17 @@ __all__ = [
     "BytesEntry",
     "Manifest",
     "ShardLocation",
+    "ParityGroup",
+    "Redundancy",
     "STATE_KINDS",
     "dtype_name",
     "dtype_from_name",
 ]
 
-FORMAT_VERSION = 2  # 2: manifest checksum, per-rank state kinds
+FORMAT_VERSION = 3  # 2: manifest checksum, per-rank state kinds; 3: parity groups
+# Manifests without parity groups are still written as format 2, so an older aegis reads them.
+_PLAIN_FORMAT_VERSION = 2
+REDUNDANCY_SCHEMES = ("xor",)
 SHARD_FORMAT_VERSION = 1  # the shard index's own format (unchanged by 2)
 
 # How an entry of the training state is stored (``Manifest.state_kinds``):
@@ -181,6 +187,31 @@ class BytesEntry:
 
 
 @dataclass(frozen=True)
+class ParityGroup:
+    """One XOR parity group of a snapshot: ``members[i]`` is the rank of member i, which
+    stores the parity of stripe i (``segment_size`` bytes, crc32c ``parity_crc32c[i]``) in its
+    node store. The layout follows from the members' shard sizes (``erasure.xor_layout``)."""
+
+    members: tuple[int, ...]
+    segment_size: int
+    parity_crc32c: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Redundancy:
+    """How a snapshot survives node losses besides whole replicas (``ShardRecord.replicas``)."""
+
+    scheme: str
+    groups: tuple[ParityGroup, ...]
+
+    def group_of(self, rank: int) -> ParityGroup | None:
+        for g in self.groups:
+            if rank in g.members:
+                return g
+        return None
+
+
+@dataclass(frozen=True)
 class ShardLocation:
     """DCP ``storage_data`` value: which rank's shard holds an item and where."""
 
@@ -203,7 +234,10 @@ class Manifest:
     timings: Mapping[str, float] = field(default_factory=dict)
     created: float = 0.0
     state_kinds: Mapping[str, str] = field(default_factory=dict)  # entry name -> STATE_KINDS
-    format_version: int = FORMAT_VERSION
+    redundancy: Redundancy | None = None  # parity groups (None: whole replicas only)
+    # as read; a manifest is written in the oldest format that holds it (2 without parity
+    # groups), so it is no part of what the snapshot is
+    format_version: int = field(default=FORMAT_VERSION, compare=False)
 
     # -- derived views -------------------------------------------------------------------------
 
@@ -264,8 +298,11 @@ class Manifest:
     # -- JSON ----------------------------------------------------------------------------------
 
     def to_json(self) -> str:
+        version = self.format_version
+        if self.redundancy is None:
+            version = min(version, _PLAIN_FORMAT_VERSION)
         doc: dict[str, Any] = {
-            "format_version": self.format_version,
+            "format_version": version,
             "job": self.job,
             "step": self.step,
             "world_size": self.world_size,
@@ -284,6 +321,12 @@ class Manifest:
             "planner_data": {k: list(v) for k, v in self.planner_data.items()},
             "state_kinds": dict(self.state_kinds),
         }
+        if self.redundancy is not None:
+            doc["redundancy"] = {
+                "scheme": self.redundancy.scheme,
+                "groups": [{"members": list(g.members), "segment_size": g.segment_size,
+                            "parity_crc32c": list(g.parity_crc32c)} for g in self.redundancy.groups],
+            }
         doc["checksum"] = body_checksum(doc)
         return json.dumps(doc, separators=(",", ":"), sort_keys=True)
 
@@ -310,7 +353,8 @@ class Manifest:
             d,
             "manifest",
             required={"format_version", "job", "step", "world_size", "shards", "entries", "checksum"},
-            optional={"created", "mesh", "timings", "planner_data", "state_kinds"},
+            optional={"created", "mesh", "timings", "planner_data", "state_kinds"}
+            | ({"redundancy"} if version >= 3 else set()),
         )
         job = p.str_(d["job"], "job")
         step = p.int_(d["step"], "step")
@@ -398,6 +442,7 @@ class Manifest:
             timings=timings,
             created=float(p.num(d.get("created", 0.0), "created")),
             state_kinds=state_kinds,
+            redundancy=_redundancy_from_doc(p, d["redundancy"], shards) if "redundancy" in d else None,
             format_version=version,
         )
         _check_items_against_entries(manifest, where)
@@ -405,6 +450,38 @@ class Manifest:
 
 
 # -- helpers -------------------------------------------------------------------------------------
+
+
+def _redundancy_from_doc(p: _Parser, doc: Any, shards: Sequence[ShardRecord]) -> Redundancy:
+    """Parity groups, checked against the shards: every member a rank of the snapshot, in one
+    group at most, and the segment size the one its members' shard sizes give (so a damaged
+    record cannot make a rebuild read the wrong bytes)."""
+    d = p.obj(doc, "redundancy")
+    p.fields(d, "redundancy", required={"scheme", "groups"}, optional=set())
+    scheme = p.str_(d["scheme"], "redundancy.scheme")
+    if scheme not in REDUNDANCY_SCHEMES:
+        raise p.fail(f"redundancy.scheme {scheme!r} is not one of {REDUNDANCY_SCHEMES}")
+    sizes = {s.rank: s.size for s in shards}
+    seen: set[int] = set()
+    groups = []
+    for i, g in enumerate(p.list_(d["groups"], "redundancy.groups")):
+        what = f"redundancy.groups[{i}]"
+        gd = p.obj(g, what)
+        p.fields(gd, what, required={"members", "segment_size", "parity_crc32c"}, optional=set())
+        members = p.ints(gd["members"], f"{what}.members")
+        crcs = p.ints(gd["parity_crc32c"], f"{what}.parity_crc32c")
+        seg = p.int_(gd["segment_size"], f"{what}.segment_size")
+        if len(members) < 2 or len(crcs) != len(members) or any(c > 0xFFFFFFFF for c in crcs):
+            raise p.fail(f"{what}: needs >= 2 members and one 32-bit parity crc32c per member")
+        bad = [m for m in members if m not in sizes or m in seen]
+        if bad or len(set(members)) != len(members):
+            raise p.fail(f"{what}: member(s) {bad or list(members)} are not distinct ranks of this "
+                         "snapshot outside every other group")
+        seen.update(members)
+        if xor_layout([sizes[m] for m in members]).segment_size != seg:
+            raise p.fail(f"{what}: segment_size {seg} does not match its members' shard sizes")
+        groups.append(ParityGroup(members, seg, crcs))
+    return Redundancy(scheme, tuple(groups))
 
 
 def body_checksum(doc: Mapping[str, Any]) -> str:

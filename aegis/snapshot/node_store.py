@@ -3,6 +3,7 @@
 Layout under ``<root>/<job>/``::
 
     step-00000012/rank-00000.shard     this node's shards (own and replicas) of step 12
+    step-00000012/parity-00000.xor     XOR parity of rank 0's stripe (parity groups, issue 16)
     step-00000012/manifest.json        written last: the step is committed on this node
     .slots/rank-00000.1                free, pre-faulted slot files kept for reuse
 
@@ -24,6 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import crc32c
 import torch
 
 from aegis.errors import (
@@ -49,6 +51,7 @@ __all__ = ["NodeStore", "Slot", "StepInfo", "default_store_root"]
 # Unicode digit, "step-٠٠٠٠٠٠٠٧" too), matched in full (``$`` would allow a trailing newline).
 _STEP_RE = re.compile(r"step-([0-9]{8})")
 _SHARD_RE = re.compile(r"rank-([0-9]{5})\.shard")
+_PARITY_RE = re.compile(r"parity-([0-9]{5})\.xor")
 MANIFEST = "manifest.json"
 
 
@@ -75,6 +78,7 @@ class StepInfo:
     step: int
     committed: bool  # a manifest is present
     shard_ranks: tuple[int, ...]
+    parity_ranks: tuple[int, ...] = ()  # members whose parity stripe this node holds
 
 
 class NodeStore:
@@ -116,6 +120,10 @@ class NodeStore:
         """Some chunks of a shard, fetched for one restore; never counted as a shard."""
         return self.step_dir(step) / f".partial-rank-{rank:05d}"
 
+    def parity_path(self, step: int, rank: int) -> Path:
+        """The XOR parity of the stripe of ``rank`` (a member of a parity group), on its node."""
+        return self.step_dir(step) / f"parity-{rank:05d}.xor"
+
     def manifest_path(self, step: int) -> Path:
         return self.step_dir(step) / MANIFEST
 
@@ -131,6 +139,7 @@ class NodeStore:
             if not m or not entry.is_dir():
                 continue
             ranks = []
+            parity = []
             committed = False
             try:
                 files = list(os.scandir(entry.path))
@@ -141,7 +150,9 @@ class NodeStore:
                     committed = True
                 elif sm := _SHARD_RE.fullmatch(f.name):
                     ranks.append(int(sm.group(1)))
-            out.append(StepInfo(int(m.group(1)), committed, tuple(sorted(ranks))))
+                elif pm := _PARITY_RE.fullmatch(f.name):
+                    parity.append(int(pm.group(1)))
+            out.append(StepInfo(int(m.group(1)), committed, tuple(sorted(ranks)), tuple(sorted(parity))))
         out.sort(key=lambda s: s.step, reverse=True)
         return out
 
@@ -260,6 +271,22 @@ class NodeStore:
                 m.close()
             check_index_matches(index, record, step=step, where=where)
 
+    def verify_parity(self, step: int, rank: int, size: int, crc: int) -> None:
+        """Check the parity file of ``rank``'s stripe against its size and crc32c (manifest)."""
+        path = self.parity_path(step, rank)
+        where = f"node store {self.dir}"
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError as e:
+            raise CorruptShardError(f"XOR parity of rank {rank} at step {step} is missing from {where}",
+                                    step=step, rank=rank, where=where) from e
+        got = int(crc32c.crc32c(data))
+        if len(data) != size or got != crc:
+            raise CorruptShardError(
+                f"XOR parity of rank {rank} at step {step} in {where} has {len(data)} bytes and "
+                f"crc32c {got:#010x}, the manifest says {size} bytes and {crc:#010x}: it is corrupt "
+                "and cannot rebuild a lost shard", step=step, rank=rank, where=where)
+
     # -- space ---------------------------------------------------------------------------------
 
     def free_bytes(self) -> int:
@@ -296,8 +323,9 @@ class Slot:
     resident pages) stay with the inode.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, kind: str = "rank") -> None:
         self.path = path
+        self.kind = kind  # "rank" (own shards), "replica" or "parity": the pool it returns to
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         self.capacity = 0
         self._map: mmap.mmap | None = None

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Placement"]
+__all__ = ["Placement", "parity_groups"]
 
 
 @dataclass(frozen=True)
@@ -67,3 +67,42 @@ class Placement:
     def sources(self, rank: int) -> list[int]:
         """Ranks whose shards ``rank`` holds replicas of (ascending)."""
         return [r for r in range(len(self.nodes)) if rank in self.targets(r)]
+
+
+def parity_groups(placement: Placement, group_size: int) -> list[tuple[int, ...]]:
+    """XOR parity groups (issue 16): one rank per node per group, ranks listed in member order.
+
+    For each local index l, the nodes that have an l-th rank are put in an order that cycles
+    through the failure domains (a, b, c, a, b, c, ...) and cut into
+    ``max(1, nodes // group_size)`` consecutive runs of sizes within one of each other, so a
+    group has ``group_size`` to ``2 * group_size - 1`` members and no two from one domain
+    while a group is no larger than the number of domains.
+    Raises ValueError when fewer than two nodes have an l-th rank (nothing to rebuild from).
+    """
+    if group_size < 2:
+        raise ValueError(f"group_size={group_size}: a parity group needs at least 2 members")
+    by_domain: dict[str, list[str]] = {}
+    for node in placement.node_order:
+        by_domain.setdefault(placement.domain_of(node), []).append(node)
+    order: list[str] = []
+    queues = [list(v) for _, v in sorted(by_domain.items())]
+    while any(queues):
+        for q in queues:
+            if q:
+                order.append(q.pop(0))
+    groups: list[tuple[int, ...]] = []
+    depth = max(len(placement.ranks_of(n)) for n in order)
+    for li in range(depth):
+        nodes = [n for n in order if len(placement.ranks_of(n)) > li]
+        if len(nodes) < 2:
+            raise ValueError(
+                f"only {len(nodes)} node(s) have a rank with local index {li}: a parity group "
+                "needs ranks on at least 2 nodes; run at least 2 nodes with the same number of "
+                "ranks each, or use replicas")
+        count = max(1, len(nodes) // group_size)
+        start = 0
+        for g in range(count):  # consecutive runs of the domain-cycling order, sizes within 1
+            size = len(nodes) // count + (1 if g < len(nodes) % count else 0)
+            groups.append(tuple(placement.ranks_of(n)[li] for n in nodes[start:start + size]))
+            start += size
+    return groups

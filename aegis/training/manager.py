@@ -84,6 +84,8 @@ class Manager:
         every: int | str = 1,
         keep: int = 1,
         replicas: int = 1,
+        redundancy: str = "replica",
+        group_size: int = 5,
         store_dir: str | None = None,
         timeout: timedelta = timedelta(minutes=5),
         chunk_bytes: int | None = None,
@@ -101,7 +103,8 @@ class Manager:
             raise TypeError(f"Manager() got unexpected keyword argument(s) {unknown}")
         extra: dict[str, Any] = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
         self.config = ManagerConfig(
-            job=job, every=every, keep=keep, replicas=replicas, store_dir=store_dir, timeout=timeout,
+            job=job, every=every, keep=keep, replicas=replicas, redundancy=redundancy,
+            group_size=group_size, store_dir=store_dir, timeout=timeout,
             events_dir=events_dir, rng=rng, verbose=verbose, debug=debug, fresh=fresh, mtbf_s=mtbf_s,
             every_max=every_max,
             **extra, **durable,
@@ -145,6 +148,8 @@ class Manager:
             node=self.node,
             domain=os.environ.get("AEGIS_FAILURE_DOMAIN") or None,
             replicas=self.config.replicas,
+            redundancy=self.config.redundancy,
+            group_size=self.config.group_size,
             transport=self.transport,
             on_result=self._on_snapshot,
             mesh={"world_size": self.world},
@@ -183,7 +188,8 @@ class Manager:
         self._closed = False
         self.events.emit("start", node=self.node, world_size=self.world, pid=os.getpid(),
                          replicas=self.engine.placement.effective_replicas,
-                         replica_targets=self.engine.targets)
+                         replica_targets=self.engine.targets, redundancy=self.config.redundancy,
+                         parity_group=list(self.engine.group_of))
 
     # -- state ---------------------------------------------------------------------------------
 

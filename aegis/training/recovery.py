@@ -42,7 +42,8 @@ from aegis.errors import (
 )
 from aegis.snapshot.dcp_io import SafeLoadPlanner, ShardReader
 from aegis.snapshot.durable import fetch_chunks, list_steps, read_manifest
-from aegis.snapshot.manifest import ChunkRecord, Manifest
+from aegis.snapshot.erasure import xor_into, xor_layout
+from aegis.snapshot.manifest import ChunkRecord, Manifest, Redundancy
 from aegis.snapshot.node_store import NodeStore, Slot
 from aegis.snapshot.objstore import ObjectStore
 from aegis.snapshot.shard import (
@@ -104,6 +105,25 @@ class _StepInv:
     committed: bool
     world_size: int | None
     shards: tuple[int, ...]
+    parity: tuple[int, ...] = ()  # ranks whose XOR parity stripe this node holds
+    redundancy: Redundancy | None = None  # from this node's manifest, when committed
+
+
+def _rebuild_blocker(red: Redundancy | None, shard: int, held: set[int], parity_held: set[int]
+                     ) -> str | None:
+    """Why the missing ``shard`` cannot be rebuilt from its parity group (None: it can)."""
+    group = red.group_of(shard) if red is not None else None
+    if group is None:
+        return "no parity group covers it"
+    lost = [m for m in group.members if m not in held]
+    if len(lost) > 1:
+        return (f"its XOR parity group (ranks {list(group.members)}) lost the shards of ranks {lost}; "
+                "XOR parity rebuilds one lost member per group")
+    gone = [m for m in group.members if m != shard and m not in parity_held]
+    if gone:
+        return (f"its XOR parity group (ranks {list(group.members)}) lost the parity of rank(s) "
+                f"{gone} as well")
+    return None
 
 
 def _inventory(store: NodeStore) -> tuple[dict[int, _StepInv], list[str]]:
@@ -114,16 +134,18 @@ def _inventory(store: NodeStore) -> tuple[dict[int, _StepInv], list[str]]:
     notes = []
     for info in store.steps():
         world = None
+        red = None
         committed = info.committed
         if committed:
             try:
-                world = store.read_manifest(info.step).world_size
+                m = store.read_manifest(info.step)
+                world, red = m.world_size, m.redundancy
             except IncompatibleSnapshotError:
                 raise
             except ManifestError as e:
                 committed = False
                 notes.append(f"step {info.step}: manifest on node store {store.dir} skipped: {e}")
-        out[info.step] = _StepInv(committed, world, info.shard_ranks)
+        out[info.step] = _StepInv(committed, world, info.shard_ranks, info.parity_ranks, red)
     return out, notes
 
 
@@ -150,8 +172,14 @@ def _choose(invs: dict[str, dict[int, _StepInv]], bad: set[int], durable_steps: 
         held = {s for inv in invs.values() if step in inv for s in inv[step].shards}
         missing = [s for s in range(world) if s not in held]
         if missing:
-            notes.append(f"step {step}: shards of rank(s) {missing} missing on every node")
-            continue
+            red = next((inv[step].redundancy for inv in invs.values()
+                        if step in inv and inv[step].redundancy is not None), None)
+            parity = {p for inv in invs.values() if step in inv for p in inv[step].parity}
+            blockers = {s: _rebuild_blocker(red, s, held, parity) for s in missing}
+            if any(blockers.values()):
+                why = "; ".join(f"rank {s}: {b}" for s, b in blockers.items() if b)
+                notes.append(f"step {step}: shards of rank(s) {missing} missing on every node ({why})")
+                continue
         return step, notes
     return None, notes
 
@@ -331,7 +359,7 @@ def restore_newest(
         origin = outcome.origin.get(shard)
         sources.append({
             "shard": shard,
-            "tier": "local" if origin is None else (DURABLE if origin[0] == DURABLE else "peer"),
+            "tier": "local" if origin is None else (origin[0] if origin[0] in (DURABLE, REBUILD) else "peer"),
             "node": node if origin is None else origin[0],
             "bytes_read": nread,
             "read_s": round(reader.seconds_by_rank.get(shard, 0.0), 6),
@@ -381,6 +409,14 @@ def _gather_shards(
     def holders(s: int) -> list[str]:
         return [n for n in ranks_of if step in invs.get(n, {}) and s in invs[n][step].shards]
 
+    def parity_holders(s: int) -> list[str]:
+        return [n for n in ranks_of if step in invs.get(n, {}) and s in invs[n][step].parity]
+
+    def rebuildable(s: int) -> bool:
+        held = {r for r in range(manifest.world_size) if holders(r)}
+        parity = {r for r in range(manifest.world_size) if parity_holders(r)}
+        return _rebuild_blocker(manifest.redundancy, s, held, parity) is None
+
     def worker(n: str, s: int) -> int:
         return ranks_of[n][s % len(ranks_of[n])]
 
@@ -416,6 +452,9 @@ def _gather_shards(
         busy: dict[str, int] = {}
         for n, s in sorted(pending):
             options = [m for m in holders(s) if m != n and m not in used.get((n, s), set())]
+            if not options and REBUILD not in used.get((n, s), set()) and not holders(s) \
+                    and rebuildable(s):
+                options = [REBUILD]  # from the parity group's survivors, still in memory
             if not options and durable is not None and DURABLE not in used.get((n, s), set()):
                 options = [DURABLE]  # memory copies first, the object store last
             if not options:
@@ -434,11 +473,16 @@ def _gather_shards(
             return out
         if transport is None and any(t[1] != DURABLE for t in transfers):
             raise AegisError("shards must be fetched from peers but no transport is configured")
-        peer = [t for t in transfers if t[1] != DURABLE]
+        peer = [t for t in transfers if t[1] not in (DURABLE, REBUILD)]
+        rebuilds = [t for t in transfers if t[1] == REBUILD]
         results = []
         if peer:
             assert transport is not None
             results = _run_transfers(store, group, transport, manifest, peer, worker)
+        if rebuilds:
+            assert transport is not None
+            results += _run_rebuilds(store, group, transport, manifest, rebuilds, worker,
+                                     holders, parity_holders)
         for shard, origin, dst, wanted in transfers:
             if origin == DURABLE and worker(dst, shard) == group.rank:
                 results.append(_fetch_durable(store, durable, manifest, shard, dst, wanted))
@@ -585,6 +629,183 @@ def _run_transfers(
 
 
 DURABLE = "durable"
+REBUILD = "rebuild"
+
+
+def _map_local(path: os.PathLike[str] | str) -> tuple[torch.Tensor | None, mmap.mmap | None]:
+    """A private read mapping of a node-store file as uint8 (None when it cannot be read)."""
+    try:
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size == 0:
+                return torch.zeros(0, dtype=torch.uint8), None
+            m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    except OSError:
+        return None, None
+    return torch.frombuffer(m, dtype=torch.uint8), m
+
+
+def _run_rebuilds(
+    store: NodeStore,
+    group: Group,
+    transport: Transport,
+    manifest: Manifest,
+    jobs: list[tuple[int, str, str, set[int] | None]],
+    worker: Callable[[str, int], int],
+    holders: Callable[[int], list[str]],
+    parity_holders: Callable[[int], list[str]],
+) -> list[tuple[int, str, str, str | None, int, float, bool]]:
+    """Rebuild lost shards from their XOR parity groups (collective, like a transfer round).
+
+    For each job (shard ``s`` for node ``dst``, the chunks its DCP plan reads), only the byte
+    runs of those chunks plus the shard's index are rebuilt: each run is cut at the group's
+    segment boundaries, and for each piece the receiving rank gets the parity of the stripe the
+    piece belongs to and the same bytes of every surviving contributor (read locally when its
+    node holds them), XORs them into a sparse partial file, then checks every rebuilt chunk's
+    crc32c and the index against the manifest before the file may be loaded. The parity files
+    used are first checked against their recorded crc32c by the ranks that hold them."""
+    step = manifest.step
+    red = manifest.redundancy
+    assert red is not None
+    me = group.rank
+    t0 = time.perf_counter()
+    files: dict[tuple[str, int], torch.Tensor | None] = {}
+    opened: list[mmap.mmap] = []
+
+    def local(kind: str, r: int) -> torch.Tensor | None:
+        if (kind, r) not in files:
+            path = store.shard_path(step, r) if kind == "shard" else store.parity_path(step, r)
+            files[(kind, r)], m = _map_local(path)
+            if m is not None:
+                opened.append(m)
+        return files[(kind, r)]
+
+    def source(kind: str, r: int, dst: str) -> str:
+        nodes = holders(r) if kind == "shard" else parity_holders(r)
+        return dst if dst in nodes else nodes[0]
+
+    # 1. the parity files every job needs, checked where they are held
+    plans = []
+    for s, _, dst, ids in jobs:
+        g = red.group_of(s)
+        assert g is not None
+        layout = xor_layout([manifest.shard(m).size for m in g.members])
+        x = g.members.index(s)
+        rec = manifest.shard(s)
+        wanted = set(range(len(rec.chunks))) if ids is None else ids
+        plans.append((s, dst, wanted, g, layout, x, _runs(list(rec.chunks), wanted, size=rec.size)))
+    checks = sorted({(g.members[j], source("parity", g.members[j], dst), g.segment_size, g.parity_crc32c[j])
+                     for _, dst, _, g, layout, x, _ in plans for j in layout.rebuild_needs(x)})
+    mine = []
+    for r, n, size, crc in checks:
+        if worker(n, r) == me:
+            try:
+                store.verify_parity(step, r, size, crc)
+            except CorruptShardError as e:
+                mine.append(f"{n}: {e}")
+    bad_parity = [x for xs in group.all_gather(mine, "rebuild parity check") for x in xs]
+    # 2. the pieces: sends and receives in one global order, so every pair of ranks matches
+    sends: list[Send] = []
+    recvs: list[Recv] = []
+    todo: dict[tuple[int, str], tuple[list[tuple[int, list[torch.Tensor]]], int]] = {}
+    for s, dst, _wanted, g, layout, x, runs in plans:
+        if bad_parity:
+            continue
+        receiver = worker(dst, s)
+        seg_size = layout.segment_size
+        pieces: list[tuple[int, list[torch.Tensor]]] = []
+        nbytes = 0
+        for a, b in runs:
+            pos = a
+            while pos < b:
+                seg = pos // seg_size
+                end = min(b, (seg + 1) * seg_size)
+                off, length = pos - seg * seg_size, end - pos
+                j = layout.stripe_of(x, seg)
+                parts = [("parity", g.members[j], off, off + length)]
+                for i in layout.contributors(j):
+                    if i != x:
+                        start = layout.segment_for(i, j) * seg_size + off
+                        lo, hi = min(start, layout.lengths[i]), min(start + length, layout.lengths[i])
+                        if hi > lo:
+                            parts.append(("shard", g.members[i], lo, hi))
+                bufs: list[torch.Tensor] = []
+                for kind, r, lo, hi in parts:
+                    src = source(kind, r, dst)
+                    if src == dst:
+                        if receiver == me:
+                            data = local(kind, r)
+                            bufs.append(data[lo:hi] if data is not None and data.numel() >= hi
+                                        else torch.zeros(hi - lo, dtype=torch.uint8))
+                        continue
+                    sender = worker(src, r)
+                    if sender == me:
+                        data = local(kind, r)
+                        # a missing or short file still sends as many bytes (zeros): the
+                        # receiver's crc32c checks reject them instead of waiting out a timeout
+                        sends.append(Send(receiver, [data[lo:hi] if data is not None and data.numel() >= hi
+                                                     else torch.zeros(hi - lo, dtype=torch.uint8)]))
+                    if receiver == me:
+                        buf = torch.empty(hi - lo, dtype=torch.uint8)
+                        recvs.append(Recv(sender, _fixed(buf)))
+                        bufs.append(buf)
+                        nbytes += hi - lo
+                if receiver == me:
+                    pieces.append((pos, bufs))
+                pos = end
+        if receiver == me:
+            todo[(s, dst)] = (pieces, nbytes)
+    try:
+        transport.exchange(sends, recvs)
+        secs = time.perf_counter() - t0
+        return _fold_rebuilds(store, manifest, plans, todo, bad_parity, worker, me, secs)
+    finally:
+        sends.clear()
+        todo.clear()
+        files.clear()
+        for m in opened:
+            with contextlib.suppress(BufferError):
+                m.close()
+
+
+def _fold_rebuilds(store: NodeStore, manifest: Manifest, plans: list[Any],
+                   todo: dict[tuple[int, str], tuple[list[tuple[int, list[torch.Tensor]]], int]],
+                   bad_parity: list[str], worker: Callable[[str, int], int], me: int, secs: float
+                   ) -> list[tuple[int, str, str, str | None, int, float, bool]]:
+    """The receiving side of :func:`_run_rebuilds`: XOR the pieces into a sparse partial file
+    and check every rebuilt chunk and the index against the manifest."""
+    step = manifest.step
+    results: list[tuple[int, str, str, str | None, int, float, bool]] = []
+    for s, dst, wanted, g, _layout, _x, _spans in plans:
+        if bad_parity:
+            if worker(dst, s) == me:
+                results.append((s, REBUILD, dst, "parity unusable: " + "; ".join(bad_parity), 0, 0.0, True))
+            continue
+        if (s, dst) not in todo:
+            continue  # another rank rebuilds this one
+        pieces, nbytes = todo[(s, dst)]
+        rec = manifest.shard(s)
+        path = store.partial_path(step, s)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # a sparse file of zeros: XOR starts from nothing
+        slot = Slot(path)
+        err = None
+        try:
+            slot.ensure(rec.size, prefault=False)
+            with slot.memory as mem:
+                for pos, bufs in pieces:
+                    for buf in bufs:
+                        xor_into(mem[pos:pos + buf.numel()], memoryview(buf.numpy()))  # type: ignore[arg-type]
+                _check_partial(mem, rec, step, wanted,
+                               f"XOR rebuild from parity group {list(g.members)}")
+        except CorruptShardError as e:
+            err = str(e)
+        finally:
+            slot.close()
+        if err is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        results.append((s, REBUILD, dst, err, nbytes, secs, True))
+    return results
 
 
 def _fetch_durable(store: NodeStore, durable: ObjectStore | None, manifest: Manifest, s: int,
