@@ -22,8 +22,9 @@ Measured per arm:
 * the XOR fold's own throughput on one core (``xor_into`` over shard-sized buffers) and, for
   reference, Reed-Solomon 4+2 encode throughput through pyeclib (not wired into snapshots);
 * one lost node: its store is removed, a replacement node restores; the time until every rank
-  is restored, and the bytes the replacement rank fetched for its own shard (a replica fetch
-  vs an XOR rebuild of the chunks it reads).
+  is restored, and the bytes moved and seconds spent for the lost rank's own shard (a replica
+  fetch vs an XOR rebuild of the chunks it reads; the node store bytes include each node's
+  manifest.json in both arms).
 
     .venv/bin/python bench/redundancy.py                # 5 nodes, 64 MB of state
 """
@@ -109,6 +110,7 @@ def _save_arm(rank: int, world: int, arm: str, args: argparse.Namespace, shape: 
         if i:  # the first is the warm-up (plans, faults in the slots)
             rows.append({"blocking_s": res.blocking_s, "background_s": res.background_s,
                          "replicate_s": res.replicate_s, "encode_s": res.encode_s,
+                         "encode_compute_s": res.encode_compute_s,
                          "train_step_s": train_s, "shard_bytes": res.shard_bytes,
                          "parity_bytes": res.parity_bytes, "replica_bytes": res.replica_bytes})
     dist.barrier()
@@ -150,6 +152,8 @@ def _restore_arm(rank: int, world: int, arm: str, shape: dict[str, int], root: s
 
 
 def _xor_gbps(nbytes: int, repeats: int = 5) -> float:
+    """``xor_into`` on buffers of ``nbytes`` (at least 256 MB, so they do not fit in a cache)."""
+    nbytes = max(nbytes, 256 << 20)
     import numpy as np
 
     from aegis.snapshot.erasure import xor_into
@@ -171,6 +175,7 @@ def _rs_gbps(shard: int, repeats: int = 3) -> dict[str, Any]:
     from aegis.snapshot.erasure import rs_encode
 
     try:
+        shard = max(shard, 32 << 20)  # out of cache, like the XOR figure
         shards = [np.random.default_rng(i).integers(0, 255, shard, dtype=np.uint8).tobytes()
                   for i in range(4)]
         rs_encode(shards, 2)
@@ -212,12 +217,18 @@ def main(argv: list[str] | None = None) -> int:
                 "background_s": _median(saves, "background_s"),
                 "replicate_s": _median(saves, "replicate_s"),
                 "encode_s": _median(saves, "encode_s"),
+                "encode_compute_s": _median(saves, "encode_compute_s"),
                 "train_step_s": statistics.median(r["train_step_s"] for p in per_rank for r in p["saves"]),
                 "per_rank": per_rank,
             }
-            if arm == "xor":
-                shard = max(r["own_bytes"] for r in per_rank)
-                arms[arm]["encode_gbps_per_node"] = shard / arms[arm]["encode_s"] / 1e9
+            arms[arm]["memory_ratio_all_nodes"] = sum(r["step_bytes"] for r in per_rank) / own
+            shard = max(r["own_bytes"] for r in per_rank)
+            part = arms[arm]["encode_s"] if arm == "xor" else arms[arm]["replicate_s"]
+            arms[arm]["transfer_gbps_per_node"] = shard / part / 1e9
+            if arm == "xor":  # crc32c + XOR alone, as measured inside the encode
+                arms[arm]["encode_compute_gbps_per_node"] = shard / arms[arm]["encode_compute_s"] / 1e9
+                arms[arm]["parity_over_largest_shard"] = max(
+                    r["saves"][-1]["parity_bytes"] for r in per_rank) / shard
             # one lost node (node-2): a replacement restores
             lost = root / arm / "node-2"
             shutil.rmtree(lost)
@@ -249,18 +260,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def rows_of(doc: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
-    headers = ["arm", "memory / state (committed)", "store / state (with in-flight)",
+    headers = ["arm", "memory / state: max node (all nodes)", "store / state (with in-flight)",
                "save() blocks ms", "background ms", "replicate|encode ms", "train step ms",
-               "restore s", "replacement fetched MB"]
+               "restore s", "lost shard: MB moved", "lost shard: fetch|rebuild s"]
     rows = []
     for arm, a in doc.get("arms", {}).items():
         r = a.get("restore", {})
-        rows.append([arm, f(max(a["memory_ratio_committed"]), ".3f"),
+        rows.append([arm, f"{max(a['memory_ratio_committed']):.3f} ({a['memory_ratio_all_nodes']:.3f})",
                      f(max(a["memory_ratio_store"]), ".3f"), f(a["blocking_s"] * 1e3, ".1f"),
                      f(a["background_s"] * 1e3, ".1f"),
                      f((a["encode_s"] if arm == "xor" else a["replicate_s"]) * 1e3, ".1f"),
                      f(a["train_step_s"] * 1e3, ".1f"), f(r.get("restore_s"), ".2f"),
-                     f(r.get("bytes_fetched_by_replacement", 0) / MB, ".1f")])
+                     f((r.get("lost_rank") or {}).get("fetch_bytes", 0) / MB, ".1f"),
+                     f((r.get("lost_rank") or {}).get("fetch_s"), ".2f")])
     return headers, rows
 
 
@@ -270,11 +282,16 @@ def _report(doc: dict[str, Any]) -> None:
     codes = doc.get("codes", {})
     if codes:
         rs = codes["rs"]
-        print(f"XOR fold, one core: {codes['xor_fold_gbps_one_core']:.2f} GB/s; "
+        print(f"XOR fold, one core, 256 MB buffers: {codes['xor_fold_gbps_one_core']:.2f} GB/s; "
               f"RS 4+2 encode (pyeclib): "
               + (f"{rs['gbps']:.2f} GB/s" if "gbps" in rs else rs["error"]))
-    if "xor" in doc.get("arms", {}):
-        print(f"XOR encode per node (exchange + fold): {doc['arms']['xor']['encode_gbps_per_node']:.2f} GB/s")
+    for arm, a in doc.get("arms", {}).items():
+        what = "encode (segment exchange + fold)" if arm == "xor" else "replication"
+        print(f"{arm}: {what} per node: {a['transfer_gbps_per_node']:.2f} GB/s")
+        if arm == "xor":
+            print(f"xor: encode compute alone (crc32c + fold) per node: "
+                  f"{a['encode_compute_gbps_per_node']:.2f} GB/s; parity / largest shard "
+                  f"{a['parity_over_largest_shard']:.3f}")
 
 
 def markdown(doc: dict[str, Any]) -> str:

@@ -63,6 +63,7 @@ from aegis.snapshot.transport import Recv, Send, Transport
 __all__ = ["SnapshotEngine", "SnapshotHandle", "SnapshotResult", "format_bytes"]
 
 _TAIL_ALLOWANCE = 1 << 20  # bytes region + index, estimated for the free-space check
+_ENCODE_SCRATCH = 256 << 20  # private memory for XOR segments in flight (at least one segment)
 
 
 def is_store_full(e: BaseException) -> bool:
@@ -105,6 +106,7 @@ class SnapshotResult:
     replicate_s: float = 0.0
     replica_bytes: int = 0  # replicas this rank received and holds
     encode_s: float = 0.0  # XOR parity: segments exchanged and folded into this rank's parity
+    encode_compute_s: float = 0.0  # the part of encode_s spent in crc32c and XOR on this rank
     parity_bytes: int = 0  # XOR parity this rank holds
     error: str | None = None
     skipped: bool = False  # not committed because a node store was full (training goes on)
@@ -553,7 +555,7 @@ class SnapshotEngine:
             te = time.perf_counter()
             try:
                 pslot, parity = self._encode(result.step, slot if err is None else None,
-                                             staged if err is None else None)
+                                             staged if err is None else None, result)
                 if pslot is not None:
                     replica_slots.append(pslot)
                     result.parity_bytes = pslot.capacity
@@ -703,8 +705,8 @@ class SnapshotEngine:
         full = bool(no_room) and all(err is None or src in no_room for src, _, err in received)
         return received, list(slots.values()), full
 
-    def _encode(self, step: int, slot: Slot | None, staged: StagedShard | None
-                ) -> tuple[Slot | None, tuple[int, int] | None]:
+    def _encode(self, step: int, slot: Slot | None, staged: StagedShard | None,
+                result: SnapshotResult) -> tuple[Slot | None, tuple[int, int] | None]:
         """XOR parity of this rank's stripe, SCR's layout (see ``aegis.snapshot.erasure``).
 
         Every rank first learns the shard lengths (one all-gather of the snapshot group: the
@@ -741,45 +743,61 @@ class SnapshotEngine:
             pslot.move(self.store.parity_path(step, self.rank))
             parity = pslot.view[:size]
             parity.zero_()
-            scratch = torch.empty(size + 8, dtype=torch.uint8)
+            # rounds run `window` at a time (one exchange each): fewer waits on the slowest
+            # peer, at `window` segments of private scratch memory (bounded by _ENCODE_SCRATCH)
+            window = max(1, min(n - 1, _ENCODE_SCRATCH // max(size + 8, 1)))
+            scratch = torch.empty(window * (size + 8), dtype=torch.uint8)
             _fault.hit("encode", step, self.rank)
             damaged: list[int] = []  # every round still runs: a peer never waits for a send
-            for k in range(1, n):
-                dst, src = (me + k) % n, (me - k) % n
-                parts = cut(*layout.segment_range(me, dst))
-                crc = 0
-                for part in parts:
-                    crc = _crc32c.crc32c(_mv(part), crc)
-                stamp = torch.frombuffer(bytearray(crc.to_bytes(8, "little")), dtype=torch.uint8)
-                got: list[int] = []
+            for first in range(1, n, window):
+                rounds = range(first, min(n, first + window))
+                sends, recvs = [], []
+                got: dict[int, int] = {}
+                for w, k in enumerate(rounds):
+                    dst, src = (me + k) % n, (me - k) % n
+                    parts = cut(*layout.segment_range(me, dst))
+                    crc = 0
+                    tc = time.perf_counter()
+                    for part in parts:
+                        crc = _crc32c.crc32c(_mv(part), crc)
+                    result.encode_compute_s += time.perf_counter() - tc
+                    stamp = torch.frombuffer(bytearray(crc.to_bytes(8, "little")), dtype=torch.uint8)
+                    sends.append(Send(members[dst], [*parts, stamp]))
+                    buf = scratch[w * (size + 8):(w + 1) * (size + 8)]
 
-                def alloc(sizes: list[int], got: list[int] = got) -> list[torch.Tensor]:
-                    total = sum(sizes)
-                    if total > size + 8 or not sizes or sizes[-1] != 8:
-                        raise AegisError(f"parity encoding: a segment of {total} bytes for a "
-                                         f"{size}-byte stripe")
-                    got.append(total - 8)
-                    out, pos = [], 0
-                    for nbytes in sizes:
-                        out.append(scratch[pos:pos + nbytes])
-                        pos += nbytes
-                    return out
+                    def alloc(sizes: list[int], w: int = w, buf: torch.Tensor = buf,
+                              got: dict[int, int] = got) -> list[torch.Tensor]:
+                        total = sum(sizes)
+                        if total > size + 8 or not sizes or sizes[-1] != 8:
+                            raise AegisError(f"parity encoding: a segment of {total} bytes for a "
+                                             f"{size}-byte stripe")
+                        got[w] = total - 8
+                        out, pos = [], 0
+                        for nbytes in sizes:
+                            out.append(buf[pos:pos + nbytes])
+                            pos += nbytes
+                        return out
 
-                self.transport.exchange([Send(members[dst], [*parts, stamp])],
-                                        [Recv(members[src], alloc)])
-                nseg = got[0]
-                seg = _mv(scratch[:nseg])
-                want = int.from_bytes(_mv(scratch[nseg:nseg + 8]), "little")
-                if _crc32c.crc32c(seg) != want:
-                    damaged.append(members[src])
-                    continue
-                xor_into(_mv(parity), seg)
+                    recvs.append(Recv(members[src], alloc))
+                self.transport.exchange(sends, recvs)
+                tc = time.perf_counter()
+                for w, k in enumerate(rounds):
+                    nseg = got[w]
+                    buf = scratch[w * (size + 8):(w + 1) * (size + 8)]
+                    seg = _mv(buf[:nseg])
+                    if _crc32c.crc32c(seg) != int.from_bytes(_mv(buf[nseg:nseg + 8]), "little"):
+                        damaged.append(members[(me - k) % n])
+                        continue
+                    xor_into(_mv(parity), seg)
+                result.encode_compute_s += time.perf_counter() - tc
             if damaged:
                 raise CorruptShardError(
                     f"XOR segment(s) from rank(s) {damaged} for the parity of rank {self.rank} at "
                     f"step {step} were damaged in transit (crc32c differs)",
                     step=step, rank=damaged[0], where=f"parity encoding on node {self.node!r}")
+            tc = time.perf_counter()
             pcrc = int(_crc32c.crc32c(_mv(parity)))
+            result.encode_compute_s += time.perf_counter() - tc
         except BaseException:
             self._discard(step, None, [pslot])
             raise
