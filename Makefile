@@ -12,7 +12,7 @@ export OMP_NUM_THREADS ?= 1
 TITAN_TEST_DEPS := torchdata==0.11.0 tyro==1.0.17 spmd_types==0.2.3 einops==0.8.2
 TITAN_TEST_NODEPS := torchtitan==0.3.0 triton==3.9.0
 
-.PHONY: venv demo test chaos chaos-inprocess lint bench goodput clean
+.PHONY: venv demo test chaos chaos-inprocess chaos-xor lint bench goodput clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -40,6 +40,10 @@ chaos: venv
 # The same campaign with in-process recovery (aegis.run_in_process): survivors never restart.
 chaos-inprocess: venv
 	$(BIN)/python -m tests.chaos.campaign --seed 1 --faults 50 --in-process --out bench/results/chaos_inprocess.json
+
+# The XOR arm (issue 16): memory redundancy by XOR parity over the 3 nodes instead of replicas.
+chaos-xor: venv
+	$(BIN)/python -m tests.chaos.campaign --seed 1 --faults 24 --in-process --redundancy xor --out bench/results/chaos_xor.json
 
 # The benchmark suite (< 10 min on this 2-core machine): every case side by side with DCP on the
 # same state, JSON + PNG in bench/results/, bench/results/summary.md and the README's summary

@@ -401,6 +401,18 @@ def test_plan_command_table_json_and_errors(tmp_path: Path) -> None:
     assert doc["costs"]["memory"]["snapshot_s"] == pytest.approx(0.02)
     assert doc["costs"]["memory"]["restart_s"] == 12.0
     assert doc["failures"]["mtbf_s"] == pytest.approx(100 * 3600 / 2)
+    # Memory redundancy: XOR parity over groups of 8 of the 16 nodes holds 1 + 1/7 of the state
+    # per node against a replica's 2x, and a rebuild moves 7x a replica fetch
+    r = runner.invoke(plan_cmd, [*args, "--redundancy", "xor", "--group-size", "8",
+                                 "--state-gb-per-node", "400", "--json"])
+    assert r.exit_code == 0, r.output
+    red = json.loads(r.output)["redundancy"]
+    assert red["memory_factor"] == pytest.approx(8 / 7) and red["replica_memory_factor"] == 2.0
+    assert red["node_store_gb"] == pytest.approx(400 * 8 / 7 * 2)  # keep 1 + 1 in flight
+    assert red["replica_node_store_gb"] == pytest.approx(1600.0) and red["rebuild_bytes_factor"] == 7
+    r = runner.invoke(plan_cmd, [*args, "--redundancy", "xor", "--group-size", "8"])
+    assert r.exit_code == 0 and "1.14x the state per node" in r.output, r.output
+    assert json.loads(runner.invoke(plan_cmd, [*args, "--json"]).output)["redundancy"]["memory_factor"] == 2.0
     # Bad input: exit code 2 and one line.
     r = runner.invoke(plan_cmd, ["--nodes", "2", "--failures-per-day", "1", "--snapshot-s", "0.1"])
     assert r.exit_code == 2 and "restart" in r.output

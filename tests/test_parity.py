@@ -61,6 +61,8 @@ def _save(rank: int, world: int, root: str, kw: dict[str, Any]) -> Any:
         train_step(model, opt, sched, step, rank)
         mgr.save(step)
         results.append(mgr.wait())
+        if "durable" in kw:  # the durable tier holds every step before the next one starts
+            mgr.wait_durable()
         full = _tensors(full_state(model, opt))
         if rank == 0:  # what each step saved, for runs that do not get to return
             torch.save(full, f"{root}/full-{step}.pt")
@@ -126,13 +128,17 @@ def test_xor_keeps_a_quarter_more_rebuilds_one_lost_node_bitwise_and_names_more_
     assert "lost the shards of ranks [1, 2]" in out[0], out[0]
 
 
-def test_a_corrupt_parity_is_refused_and_the_durable_tier_serves(
+def test_a_loss_while_encoding_then_a_corrupt_parity_resume_bitwise_from_durable(
         store_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    kw = {"durable": f"file://{tmp_path}/bucket", "durable_every": 1}
-    saved = run_ranks(5, _save, str(store_dir), kw)
+    # rank 2 is SIGKILLed while step 3's parity segments are exchanged: step 3 never commits
+    kw: dict[str, Any] = {"durable": f"file://{tmp_path}/bucket", "durable_every": 1,
+                          "timeout": timedelta(seconds=10)}
+    with pytest.raises(RuntimeError, match="died|failed"):
+        run_ranks(5, _save, str(store_dir), kw, env={"AEGIS_FAIL_AT": "2:3:encode"})
+    assert [s.step for s in NodeStore(store_dir / "a", JOB).steps() if s.committed] == [2]
     lose(store_dir, "c")
-    store = NodeStore(store_dir / "a", JOB)
-    path = store.parity_path(3, 0)  # rank 2's rebuild needs the parity of stripe 0
+    # and the parity of stripe 0, which rebuilding rank 2's shard needs, is damaged
+    path = NodeStore(store_dir / "a", JOB).parity_path(2, 0)
     data = bytearray(path.read_bytes())
     data[5] ^= 0x10
     path.write_bytes(bytes(data))
@@ -143,27 +149,14 @@ def test_a_corrupt_parity_is_refused_and_the_durable_tier_serves(
     code, text, _ = inproc(capsys, "verify", str(store_dir / "a"), "--json")
     fails = [f for f in json.loads(text)["failures"] if "parity" in f["error"]]
     assert code == 1 and [f["rank"] for f in fails] == [0], fails
-    assert "XOR parity of rank 0 at step 3" in fails[0]["error"], fails
+    assert "XOR parity of rank 0 at step 2" in fails[0]["error"], fails
+    # step 2 is restored bitwise: rank 2's shard from the durable tier, never a wrong rebuild
     out = run_ranks(5, _restore, str(store_dir), ["a", "b", "f", "d", "e"], kw)
-    assert [o["step"] for o in out] == [3] * 5, out
-    assert_bitwise_equal(saved[0]["full"], out[0]["full"])
-    src = {s["shard"]: s for s in out[2]["sources"]}[2]
-    assert src["tier"] == "durable", src
-    assert any("XOR parity of rank 0" in x and "corrupt" in x for x in out[2]["skipped"]), out[2]["skipped"]
-
-
-def test_a_loss_during_encoding_leaves_the_previous_step_rebuildable(store_dir: Path) -> None:
-    # rank 2 is SIGKILLed while step 3's parity is being exchanged: step 3 never commits
-    with pytest.raises(RuntimeError, match="died|failed"):
-        run_ranks(5, _save, str(store_dir), {"timeout": timedelta(seconds=10)},
-                  env={"AEGIS_FAIL_AT": "2:3:encode"})
-    assert [s.step for s in NodeStore(store_dir / "a", JOB).steps() if s.committed] == [2]
-    lose(store_dir, "c")
-    out = run_ranks(5, _restore, str(store_dir), ["a", "b", "f", "d", "e"], {})
     assert [o["step"] for o in out] == [2] * 5, out
     assert_bitwise_equal(torch.load(store_dir / "full-2.pt"), out[0]["full"])
     src = {s["shard"]: s for s in out[2]["sources"]}[2]
-    assert src["tier"] == "rebuild", src
+    assert src["tier"] == "durable", src
+    assert any("XOR parity of rank 0" in x and "corrupt" in x for x in out[2]["skipped"]), out[2]["skipped"]
 
 
 def test_a_damaged_parity_record_is_rejected() -> None:

@@ -6,8 +6,10 @@ memory_coverage}, costs: {memory: {snapshot_s, restore_s, restart_s, latency_s},
 step_s}, intervals: {memory: {young_s, daly_s, multi_level_s}, durable: {young_s, daly_s,
 multi_level_s}}, strategies: [{name, memory_interval_s, durable_interval_s, durable_every_n,
 checkpoint, recompute, restart, goodput, lost, gpu_hours_lost_per_day, cost_lost_per_day}],
-measured: {sources, counts}, notes: [str]`` (fractions of wall-clock time; seconds; ``null``
-where undefined, e.g. no price given, or no failure needs the durable tier).
+measured: {sources, counts}, redundancy: {scheme, group_size, survives, memory_factor,
+replica_memory_factor, node_store_gb, replica_node_store_gb, rebuild_bytes_factor}, notes: [str]``
+(fractions of wall-clock time; seconds; ``null`` where undefined, e.g. no price given, or no
+failure needs the durable tier).
 """
 
 from __future__ import annotations
@@ -117,6 +119,16 @@ def _pick(name: str, explicit: float | None, measured: float | None, fallback: f
               help="A run's events directory (rank-NNNNN.jsonl files, searched recursively).")
 @click.option("--bench", "bench_files", type=click.Path(path_type=Path, exists=True, dir_okay=False),
               multiple=True, help="A bench/results/*.json file (recovery, snapshot_overhead, restore, goodput).")
+@click.option("--redundancy", type=click.Choice(["replica", "xor"]), default=None,
+              help="Memory redundancy: one whole replica per shard (default), or XOR parity groups "
+                   "(Manager(redundancy=...)). Both survive one lost node (per group for xor). "
+                   "Given (or with --state-gb-per-node), the table ends with the node memory.")
+@click.option("--group-size", type=click.IntRange(min=2), default=5, show_default=True,
+              help="With --redundancy xor: nodes per parity group.")
+@click.option("--state-gb-per-node", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Training state per node (GB), to size the node store (x (keep + 1)).")
+@click.option("--keep", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Committed snapshots kept in memory (Manager(keep=)), for the node store size.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
 def plan(nodes: int, gpus_per_node: int, gpu_hour_cost: float | None, mtbf_node_hours: float | None,
          failures_per_day: float | None, memory_coverage: float, snapshot_s: float | None,
@@ -124,6 +136,7 @@ def plan(nodes: int, gpus_per_node: int, gpu_hour_cost: float | None, mtbf_node_
          restart_s: float | None, durable_restart_s: float | None, memory_latency_s: float | None,
          durable_latency_s: float | None,
          step_s: float | None, events_dirs: tuple[Path, ...], bench_files: tuple[Path, ...],
+         redundancy: str | None, group_size: int, state_gb_per_node: float | None, keep: int,
          as_json: bool) -> int:
     """Optimal snapshot intervals (Young, Daly, two-level) and the expected cost of failures:
     durable-only checkpointing against memory + durable. Costs default to the ones measured in
@@ -165,13 +178,63 @@ def plan(nodes: int, gpus_per_node: int, gpu_hour_cost: float | None, mtbf_node_
         )
     except ValueError as e:
         raise CliError(str(e)) from e
+    red = _redundancy(redundancy or "replica", group_size, nodes, state_gb_per_node, keep)
     if as_json:
         doc = {"schema": "aegis.plan/1", **p.to_json(),
-               "measured": {"sources": measured.sources, "counts": measured.counts, "used": used}}
+               "measured": {"sources": measured.sources, "counts": measured.counts, "used": used},
+               "redundancy": red}
         click.echo(json.dumps(_clean(doc), indent=2, allow_nan=False))
         return EXIT_OK
     _print(p, measured, used)
+    if redundancy is not None or state_gb_per_node is not None:
+        _print_redundancy(red)
     return EXIT_OK
+
+
+def _redundancy(scheme: str, group_size: int, nodes: int, state_gb: float | None,
+                keep: int) -> dict[str, Any]:
+    """What the memory tier holds per node and what it survives, for ``scheme``.
+
+    A replica doubles each node's snapshot memory; XOR parity over groups of N nodes adds
+    1/(N-1) (groups of N to 2N-1 members: with fewer than N nodes, one group of all of them).
+    Both survive one lost node (XOR: one per group), which is what ``--memory-coverage``
+    assumes; a rebuild moves N-1 times the bytes a replica fetch moves."""
+    if scheme == "xor":
+        if nodes < 2:
+            raise CliError("--redundancy xor needs at least 2 nodes (a group rebuilds a lost member "
+                           "from the others)")
+        n = min(group_size, nodes)
+        factor = 1 + 1 / (n - 1)
+        survives = "1 lost node per parity group"
+        rebuild = float(n - 1)
+    else:
+        n = 0
+        factor = 2.0 if nodes > 1 else 1.0
+        survives = "1 lost node" if nodes > 1 else "nothing (one node: no other node holds a copy)"
+        rebuild = 1.0
+    copies = keep + 1  # kept snapshots plus the one in flight
+    return {"scheme": scheme, "group_size": n or None, "survives": survives,
+            "memory_factor": factor, "replica_memory_factor": 2.0 if nodes > 1 else 1.0,
+            "node_store_gb": state_gb * factor * copies if state_gb else None,
+            "replica_node_store_gb": state_gb * 2.0 * copies if state_gb and nodes > 1 else None,
+            "rebuild_bytes_factor": rebuild}
+
+
+def _print_redundancy(r: dict[str, Any]) -> None:
+    console = stdout_console()
+    scheme = ("whole replicas" if r["scheme"] == "replica"
+              else f"XOR parity, groups of {r['group_size']} nodes")
+    line = (f"\nmemory    {scheme}: {r['memory_factor']:.3g}x the state per node (a replica: "
+            f"{r['replica_memory_factor']:.3g}x); survives {r['survives']}")
+    if r["node_store_gb"] is not None:
+        line += (f"; node store {r['node_store_gb']:,.1f} GB"
+                 + (f" (replica: {r['replica_node_store_gb']:,.1f} GB)" if r["scheme"] == "xor"
+                    and r["replica_node_store_gb"] is not None else ""))
+    console.print(line)
+    if r["scheme"] == "xor":
+        console.print(f"{'':<10}a lost node's shard is rebuilt from {r['group_size'] - 1} survivors: "
+                      f"{r['rebuild_bytes_factor']:.0f}x the bytes of a replica fetch (count it in "
+                      "--restore-s)")
 
 
 def _print(p: Plan, measured: Measured, used: dict[str, str]) -> None:

@@ -93,6 +93,7 @@ class Config:
     reference_steps: int = 60
     network: bool = True  # network namespaces, when the machine allows them
     in_process: bool = False  # aegis.run_in_process instead of torchrun restarts
+    redundancy: str = "replica"  # or "xor": one parity group over all nodes (issue 16)
 
 
 @dataclass
@@ -208,7 +209,9 @@ class Campaign:
     def _trainer_args(self, steps: int, job: str, loss: Path, digest: Path) -> list[str]:
         c = self.cfg
         return [TRAINER, "--config", "tiny", "--steps", str(steps), "--dropout", "0.1",
-                "--job", job, "--every", "1", "--replicas", "1", "--keep", "2",
+                "--job", job, "--every", "1", "--keep", "2",
+                *(["--redundancy", "xor", "--group-size", str(c.nodes)] if c.redundancy == "xor"
+                  else ["--replicas", "1"]),
                 "--durable", f"s3://{BUCKET}/chaos", "--durable-every", str(c.durable_every),
                 "--durable-keep-last", str(c.durable_keep_last),
                 "--durable-max-pending", str(c.durable_max_pending),
@@ -683,6 +686,7 @@ class Campaign:
         return {
             "seed": self.cfg.seed,
             "mode": "in-process" if self.cfg.in_process else "restart",
+            "redundancy": self.cfg.redundancy,
             "faults_planned": self.cfg.faults,
             "faults_injected": len(self.records),
             "wall_s": wall_s,
@@ -784,13 +788,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="write the summary JSON here")
     p.add_argument("--in-process", action="store_true",
                    help="the trainer recovers in place (aegis.run_in_process)")
+    p.add_argument("--redundancy", choices=("replica", "xor"), default="replica",
+                   help="memory redundancy: one replica per shard, or XOR parity over the nodes")
     a = p.parse_args(argv)
     kinds = tuple(k for k in a.kinds.split(",") if k)
     bad = set(kinds) - set(KINDS)
     if bad:
         p.error(f"unknown fault kinds {sorted(bad)}; choose from {', '.join(KINDS)}")
     cfg = Config(seed=a.seed, faults=a.faults, kinds=kinds, workdir=Path(a.workdir), network=not a.no_network,
-                 in_process=a.in_process)
+                 in_process=a.in_process, redundancy=a.redundancy)
     s = Campaign(cfg).run()
     print()
     print(format_table(s))
