@@ -170,3 +170,22 @@ def test_a_damaged_parity_record_is_rejected() -> None:
         forged = dataclasses.replace(m, redundancy=Redundancy("xor", (bad,)))
         with pytest.raises(ManifestError):
             Manifest.from_json(forged.to_json())
+
+
+def test_a_rebuild_on_a_node_without_the_step_reports_instead_of_raising(tmp_path: Path) -> None:
+    """Seen in the XOR chaos arm: a replacement node whose only work for a step was a rebuild
+    had no step directory yet; the rebuilding rank raised alone and its peers waited forever.
+    Every failure of the fold is a result (here: nothing folded, so the chunks do not match)."""
+    from aegis.training.recovery import REBUILD, _fold_rebuilds, _runs
+
+    store = NodeStore(tmp_path / "new-node", "j")
+    store.create()
+    m = sample()
+    layout = xor_layout([s.size for s in m.shards])
+    m = dataclasses.replace(m, redundancy=Redundancy("xor", (ParityGroup((0, 1), layout.segment_size, (1, 2)),)))
+    g = m.redundancy.groups[0]  # type: ignore[union-attr]
+    rec = m.shard(1)
+    plan = (1, "new-node", {0}, g, layout, 1, _runs(list(rec.chunks), {0}, size=rec.size))
+    out = _fold_rebuilds(store, m, [plan], {(1, "new-node"): ([], 0)}, [], lambda n, s: 0, 0, 0.0)
+    assert len(out) == 1 and out[0][:3] == (1, REBUILD, "new-node") and out[0][3], out
+    assert "crc32c mismatch" in out[0][3] and not store.partial_path(5, 1).exists()

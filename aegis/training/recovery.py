@@ -785,11 +785,13 @@ def _fold_rebuilds(store: NodeStore, manifest: Manifest, plans: list[Any],
         pieces, nbytes = todo[(s, dst)]
         rec = manifest.shard(s)
         path = store.partial_path(step, s)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)  # a sparse file of zeros: XOR starts from nothing
-        slot = Slot(path)
         err = None
-        try:
+        slot: Slot | None = None
+        try:  # every failure is a result, never raised on this rank alone (peers wait for it)
+            store.step_dir(step).mkdir(mode=0o700, parents=True, exist_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)  # a sparse file of zeros: XOR starts from nothing
+            slot = Slot(path)
             slot.ensure(rec.size, prefault=False)
             with slot.memory as mem:
                 for pos, bufs in pieces:
@@ -799,8 +801,11 @@ def _fold_rebuilds(store: NodeStore, manifest: Manifest, plans: list[Any],
                                f"XOR rebuild from parity group {list(g.members)}")
         except CorruptShardError as e:
             err = str(e)
+        except Exception as e:  # noqa: BLE001 - e.g. a full tmpfs: the next source is tried
+            err = f"XOR rebuild on node {dst!r}: {type(e).__name__}: {e}"
         finally:
-            slot.close()
+            if slot is not None:
+                slot.close()
         if err is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
