@@ -713,8 +713,9 @@ class SnapshotEngine:
         layout needs them). Then N-1 rounds within the group: in round k member i sends its
         segment for stripe i+k to member i+k, with the segment's crc32c, and receives member
         i-k's segment for its own stripe, checks its crc32c and folds it into its parity slot.
-        One segment of scratch memory; every member sends about one shard. Returns the parity
-        slot (in the step directory) and (parity bytes, parity crc32c), or (None, None) when a
+        Rounds are posted together as far as ``_ENCODE_SCRATCH`` of private scratch allows (at
+        least one segment); every member sends about one shard in all. Returns the parity slot
+        (in the step directory) and (parity bytes, parity crc32c), or (None, None) when a
         member of the group has no shard (its failure aborts the commit)."""
         assert self.transport is not None
         length = staged.layout.tensor_end + len(staged.tail) if staged is not None and slot is not None else -1
