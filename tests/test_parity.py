@@ -25,7 +25,7 @@ from tests.models import build, full_state, train_step
 from tests.test_cli import inproc
 from tests.test_manager import _tensors, assert_bitwise_equal
 from tests.test_manifest import sample
-from tests.test_recovery import lose
+from tests.test_recovery import _restore, lose
 
 JOB = "t"
 NODES = ["a", "b", "c", "d", "e"]
@@ -45,12 +45,15 @@ def test_groups_take_one_rank_per_node_and_spread_failure_domains() -> None:
         parity_groups(Placement.build(["a", "a"], None, 0), 2)
 
 
+XOR = {"redundancy": "xor", "group_size": 5}
+
+
 def _mgr(root: str, node: str, model, opt, sched, **kw):  # type: ignore[no-untyped-def]
     from aegis import Manager, ModelOptimizerState
 
     os.environ["AEGIS_NODE_ID"] = node
     return Manager(JOB, {"model": ModelOptimizerState(model, opt), "sched": sched},
-                   store_dir=f"{root}/{node}", verbose=False, redundancy="xor", group_size=5, **kw)
+                   store_dir=f"{root}/{node}", verbose=False, **XOR, **kw)
 
 
 def _save(rank: int, world: int, root: str, kw: dict[str, Any]) -> Any:
@@ -72,20 +75,9 @@ def _save(rank: int, world: int, root: str, kw: dict[str, Any]) -> Any:
             "parity_bytes": r.parity_bytes, "replica_bytes": r.replica_bytes}
 
 
-def _restore(rank: int, world: int, root: str, nodes: list[str], kw: dict[str, Any]) -> Any:
-    model, opt, sched = build(world, seed=99)
-    mgr = _mgr(root, nodes[rank], model, opt, sched, **kw)
-    try:
-        step = mgr.restore()
-    except Exception as e:  # noqa: BLE001
-        mgr.close()
-        return f"{type(e).__name__}: {e}"
-    res = mgr.last_restore
-    assert res is not None
-    full = _tensors(full_state(model, opt))
-    mgr.close()
-    return {"step": step, "sources": res.sources, "skipped": res.skipped,
-            "full": full if rank == 0 else None, "fetched": res.bytes_fetched}
+def _restore_xor(world: int, root: Path, nodes: list[str], kw: dict[str, Any]) -> list[Any]:
+    """tests/test_recovery.py's restore on ``world`` ranks, with the parity groups of ``_mgr``."""
+    return run_ranks(world, _restore, str(root), nodes, 0, {**XOR, **kw})
 
 
 def test_xor_keeps_a_quarter_more_rebuilds_one_lost_node_bitwise_and_names_more_losses(store_dir: Path) -> None:
@@ -107,21 +99,21 @@ def test_xor_keeps_a_quarter_more_rebuilds_one_lost_node_bitwise_and_names_more_
         assert held <= 1.25 * max(s.size for s in m.shards) + 64 * 5, (held, m.shard(r).size)
     lose(store_dir, "c")
     # a replacement node: rank 2's shard is rebuilt there from the four survivors
-    out = run_ranks(5, _restore, str(store_dir), ["a", "b", "f", "d", "e"], {})
+    out = _restore_xor(5, store_dir, ["a", "b", "f", "d", "e"], {})
     assert [o["step"] for o in out] == [3] * 5, out
     assert_bitwise_equal(saved[0]["full"], out[0]["full"])
     src = {s["shard"]: s for s in out[2]["sources"]}[2]
     assert src["tier"] == "rebuild" and src["fetch_bytes"] > 0, src
     # shrink to the four survivors (resharding): whoever reads rank 2's old shard rebuilds it
     lose(store_dir, "f")
-    out = run_ranks(4, _restore, str(store_dir), ["a", "b", "d", "e"], {})
+    out = _restore_xor(4, store_dir, ["a", "b", "d", "e"], {})
     assert [o["step"] for o in out] == [3] * 4, out
     assert_bitwise_equal(saved[0]["full"], out[0]["full"])
     assert any(s["tier"] == "rebuild" for o in out for s in o["sources"])
     # two more members of the group lost: more than XOR parity covers, and no durable tier
     lose(store_dir, "b")
     lose(store_dir, "d")
-    out = run_ranks(2, _restore, str(store_dir), ["a", "e"], {})
+    out = _restore_xor(2, store_dir, ["a", "e"], {})
     assert all(isinstance(o, str) for o in out), out
     assert "CorruptShardError" in out[0] and "XOR parity group (ranks [0, 1, 2, 3, 4])" in out[0], out[0]
     # (node e fetched rank 3's whole shard in the shrink restore above, so 1 and 2 are gone)
@@ -151,7 +143,7 @@ def test_a_loss_while_encoding_then_a_corrupt_parity_resume_bitwise_from_durable
     assert code == 1 and [f["rank"] for f in fails] == [0], fails
     assert "XOR parity of rank 0 at step 2" in fails[0]["error"], fails
     # step 2 is restored bitwise: rank 2's shard from the durable tier, never a wrong rebuild
-    out = run_ranks(5, _restore, str(store_dir), ["a", "b", "f", "d", "e"], kw)
+    out = _restore_xor(5, store_dir, ["a", "b", "f", "d", "e"], kw)
     assert [o["step"] for o in out] == [2] * 5, out
     assert_bitwise_equal(torch.load(store_dir / "full-2.pt"), out[0]["full"])
     src = {s["shard"]: s for s in out[2]["sources"]}[2]

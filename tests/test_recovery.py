@@ -36,9 +36,12 @@ def _save(rank: int, world: int, root: str, nodes: list[str], replicas: int) -> 
     return full if rank == 0 else None
 
 
-def _restore(rank: int, world: int, root: str, nodes: list[str], replicas: int) -> Any:
+def _restore(rank: int, world: int, root: str, nodes: list[str], replicas: int,
+             kw: dict[str, Any] | None = None) -> Any:
+    """Restore on ``nodes`` (one per rank) with a fresh model; the outcome, or the error text.
+    ``kw``: more Manager arguments (tests/test_parity.py: parity groups, the durable tier)."""
     model, opt, sched = build(world, seed=99)
-    mgr = _mgr(root, nodes[rank], model, opt, sched, replicas=replicas)
+    mgr = _mgr(root, nodes[rank], model, opt, sched, replicas=replicas, **(kw or {}))
     try:
         step = mgr.restore()
     except Exception as e:  # noqa: BLE001

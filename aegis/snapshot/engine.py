@@ -240,7 +240,6 @@ class SnapshotEngine:
         self.nodes: list[str] = [n for n, _ in ids]
         if redundancy not in ("replica", "xor"):
             raise AegisError(f"redundancy={redundancy!r}: use 'replica' or 'xor'")
-        self.redundancy = redundancy
         self.placement = Placement.build(self.nodes, [d for _, d in ids],
                                          replicas if redundancy == "replica" else 0)
         # XOR parity groups (issue 16): member ranks in order; empty with whole replicas
