@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Memory redundancy: whole replicas vs XOR parity groups, same state, same run (issue 16).
+"""Memory redundancy: whole replicas vs XOR vs Reed-Solomon parity groups, same run (issue 16).
 
 Spawns ``--world`` ranks, one per simulated node (each its own node store directory), trains
 the reference trainer's GPT (FSDP2 over all ranks) and, per arm, runs ``--saves`` snapshots with
@@ -9,7 +9,12 @@ a training step between them:
 replica     ``Manager(replicas=1)``: every shard copied whole to the next node (2x memory)
 xor         ``Manager(redundancy="xor", group_size=world)``: each node keeps its shard plus one
             parity segment of 1/(N-1) of it (SCR's layout), encoded in the background
+rs          ``Manager(redundancy="rs", group_size=rs_world, parity=2)`` on ``--rs-world`` ranks
+            (default 6: RS 4+2): each node keeps its shard plus 2 parity pieces of 1/4 of it
 ==========  =====================================================================================
+
+The rs arm runs on its own world size (4+2 needs 6 nodes), so its state per node differs from
+the other arms' (same total state); its ratios are to its own shards, like every arm's.
 
 Measured per arm:
 
@@ -17,14 +22,14 @@ Measured per arm:
   the bytes of that node's own shards; and the whole store (free pre-faulted slots included, i.e.
   the in-flight snapshot) over the same;
 * per snapshot (median over the timed saves, slowest rank): ``save()`` blocking time, background
-  time, and its replication (replica) or encoding (xor: segment exchange + XOR) part; the
+  time, and its replication (replica) or encoding (segment exchange + XOR / RS) part; the
   training step time while the background work runs;
-* the XOR fold's own throughput on one core (``xor_into`` over shard-sized buffers) and, for
-  reference, Reed-Solomon 4+2 encode throughput through pyeclib (not wired into snapshots);
+* the XOR fold's own throughput on one core (``xor_into`` over shard-sized buffers) and the
+  Reed-Solomon 4+2 codec's encode throughput through pyeclib (ISA-L), outside any snapshot;
 * one lost node: its store is removed, a replacement node restores; the time until every rank
   is restored, and the bytes moved and seconds spent for the lost rank's own shard (a replica
-  fetch vs an XOR rebuild of the chunks it reads; the node store bytes include each node's
-  manifest.json in both arms).
+  fetch vs a rebuild of the chunks it reads; the node store bytes include each node's
+  manifest.json in every arm).
 
     .venv/bin/python bench/redundancy.py                # 5 nodes, 64 MB of state
 """
@@ -59,12 +64,14 @@ from _common import (  # noqa: E402 - bench/ is on sys.path as a script
 )
 
 NAME = "redundancy"
-ARMS = ("replica", "xor")
+ARMS = ("replica", "xor", "rs")
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--world", type=int, default=5, help="ranks = simulated nodes; default 5")
+    p.add_argument("--rs-world", type=int, default=6, help="ranks of the rs arm; default 6 (4+2)")
+    p.add_argument("--rs-parity", type=int, default=2, help="RS parity pieces; default 2")
     p.add_argument("--state-mb", type=float, default=64.0,
                    help="MB of params + AdamW moments over all ranks; default 64")
     size_arg(p)
@@ -73,6 +80,12 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--out", type=Path, default=RESULTS / f"{NAME}.json")
     return p.parse_args(argv)
+
+
+def _arm_kw(arm: str, world: int, parity: int) -> dict[str, Any]:
+    if arm == "replica":
+        return {"replicas": 1}
+    return {"redundancy": arm, "group_size": world} | ({"parity": parity} if arm == "rs" else {})
 
 
 def _dir_bytes(d: Path) -> int:
@@ -90,10 +103,9 @@ def _save_arm(rank: int, world: int, arm: str, args: argparse.Namespace, shape: 
     os.environ["AEGIS_NODE_ID"] = node
     model, opt, _ = build_gpt(shape, mesh=init_device_mesh("cpu", (world,)))
     data = trainer_module().SyntheticTokens(shape["vocab_size"], shape["seq_len"], seed=0)
-    kw: dict[str, Any] = ({"replicas": 1} if arm == "replica"
-                          else {"redundancy": "xor", "group_size": world})
     mgr = Manager("bench", {"model": ModelOptimizerState(model, opt)}, every=1, keep=1,
-                  store_dir=f"{root}/{arm}/{node}", verbose=False, **kw)
+                  store_dir=f"{root}/{arm}/{node}", verbose=False,
+                  **_arm_kw(arm, world, args.rs_parity))
     rows = []
     step = 0
     for i in range(args.saves + 1):
@@ -125,7 +137,7 @@ def _save_arm(rank: int, world: int, arm: str, args: argparse.Namespace, shape: 
 
 
 def _restore_arm(rank: int, world: int, arm: str, shape: dict[str, int], root: str,
-                 nodes: list[str]) -> dict[str, Any]:
+                 nodes: list[str], parity: int) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -134,10 +146,8 @@ def _restore_arm(rank: int, world: int, arm: str, shape: dict[str, int], root: s
     node = nodes[rank]
     os.environ["AEGIS_NODE_ID"] = node
     model, opt, _ = build_gpt(shape, mesh=init_device_mesh("cpu", (world,)))
-    kw: dict[str, Any] = ({"replicas": 1} if arm == "replica"
-                          else {"redundancy": "xor", "group_size": world})
     mgr = Manager("bench", {"model": ModelOptimizerState(model, opt)}, every=1, keep=1,
-                  store_dir=f"{root}/{arm}/{node}", verbose=False, **kw)
+                  store_dir=f"{root}/{arm}/{node}", verbose=False, **_arm_kw(arm, world, parity))
     dist.barrier()
     t0 = time.perf_counter()
     step = mgr.restore()
@@ -204,12 +214,14 @@ def main(argv: list[str] | None = None) -> int:
     arms: dict[str, Any] = {}
     try:
         for arm in ARMS:
-            per_rank = run_ranks(args.world, _save_arm, arm, args, shape, str(root),
+            world = args.rs_world if arm == "rs" else args.world
+            per_rank = run_ranks(world, _save_arm, arm, args, shape, str(root),
                                  timeout=args.timeout, env=env)
             saves = [max((r["saves"][i] for r in per_rank), key=lambda x: x["background_s"])
                      for i in range(args.saves)]
             own = sum(r["own_bytes"] for r in per_rank)
             arms[arm] = {
+                "world": world,
                 "memory_ratio_committed": [r["step_bytes"] / r["own_bytes"] for r in per_rank],
                 "memory_ratio_store": [r["store_bytes"] / r["own_bytes"] for r in per_rank],
                 "state_bytes": own,
@@ -223,18 +235,18 @@ def main(argv: list[str] | None = None) -> int:
             }
             arms[arm]["memory_ratio_all_nodes"] = sum(r["step_bytes"] for r in per_rank) / own
             shard = max(r["own_bytes"] for r in per_rank)
-            part = arms[arm]["encode_s"] if arm == "xor" else arms[arm]["replicate_s"]
+            part = arms[arm]["encode_s"] if arm != "replica" else arms[arm]["replicate_s"]
             arms[arm]["transfer_gbps_per_node"] = shard / part / 1e9
-            if arm == "xor":  # crc32c + XOR alone, as measured inside the encode
+            if arm != "replica":  # crc32c + XOR (RS: + pyeclib), as measured inside the encode
                 arms[arm]["encode_compute_gbps_per_node"] = shard / arms[arm]["encode_compute_s"] / 1e9
                 arms[arm]["parity_over_largest_shard"] = max(
                     r["saves"][-1]["parity_bytes"] for r in per_rank) / shard
             # one lost node (node-2): a replacement restores
             lost = root / arm / "node-2"
             shutil.rmtree(lost)
-            nodes = [f"node-{r}" for r in range(args.world)]
+            nodes = [f"node-{r}" for r in range(world)]
             nodes[2] = "node-new"
-            rest = run_ranks(args.world, _restore_arm, arm, shape, str(root), nodes,
+            rest = run_ranks(world, _restore_arm, arm, shape, str(root), nodes, args.rs_parity,
                              timeout=args.timeout, env=env)
             arms[arm]["restore"] = {
                 "restore_s": max(r["restore_s"] for r in rest),
@@ -260,16 +272,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def rows_of(doc: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
-    headers = ["arm", "memory / state: max node (all nodes)", "store / state (with in-flight)",
+    headers = ["arm", "nodes", "memory / state: max node (all nodes)", "store / state (with in-flight)",
                "save() blocks ms", "background ms", "replicate|encode ms", "train step ms",
                "restore s", "lost shard: MB moved", "lost shard: fetch|rebuild s"]
     rows = []
     for arm, a in doc.get("arms", {}).items():
         r = a.get("restore", {})
-        rows.append([arm, f"{max(a['memory_ratio_committed']):.3f} ({a['memory_ratio_all_nodes']:.3f})",
+        rows.append([arm, str(a.get("world", doc["args"]["world"])),
+                     f"{max(a['memory_ratio_committed']):.3f} ({a['memory_ratio_all_nodes']:.3f})",
                      f(max(a["memory_ratio_store"]), ".3f"), f(a["blocking_s"] * 1e3, ".1f"),
                      f(a["background_s"] * 1e3, ".1f"),
-                     f((a["encode_s"] if arm == "xor" else a["replicate_s"]) * 1e3, ".1f"),
+                     f((a["encode_s"] if arm != "replica" else a["replicate_s"]) * 1e3, ".1f"),
                      f(a["train_step_s"] * 1e3, ".1f"), f(r.get("restore_s"), ".2f"),
                      f((r.get("lost_rank") or {}).get("fetch_bytes", 0) / MB, ".1f"),
                      f((r.get("lost_rank") or {}).get("fetch_s"), ".2f")])
@@ -286,11 +299,11 @@ def _report(doc: dict[str, Any]) -> None:
               f"RS 4+2 encode (pyeclib): "
               + (f"{rs['gbps']:.2f} GB/s" if "gbps" in rs else rs["error"]))
     for arm, a in doc.get("arms", {}).items():
-        what = "encode (segment exchange + fold)" if arm == "xor" else "replication"
+        what = "replication" if arm == "replica" else "encode (segment exchange + code)"
         print(f"{arm}: {what} per node: {a['transfer_gbps_per_node']:.2f} GB/s")
-        if arm == "xor":
-            print(f"xor: encode compute alone (crc32c + fold) per node: "
-                  f"{a['encode_compute_gbps_per_node']:.2f} GB/s; parity / largest shard "
+        if arm != "replica":
+            print(f"{arm}: encode compute alone (crc32c + {'fold' if arm == 'xor' else 'pyeclib'}) "
+                  f"per node: {a['encode_compute_gbps_per_node']:.2f} GB/s; parity / largest shard "
                   f"{a['parity_over_largest_shard']:.3f}")
 
 
@@ -306,12 +319,13 @@ def _plot(doc: dict[str, Any], out: Path) -> None:
     pyplot = plt()
     fig, (ax1, ax2) = pyplot.subplots(1, 2, figsize=(10, 4))
     names = list(arms)
-    ax1.bar(names, [max(a["memory_ratio_committed"]) for a in arms.values()], color=["#888", "#2a7"])
+    ax1.bar(names, [max(a["memory_ratio_committed"]) for a in arms.values()], color=["#888", "#2a7", "#a72"][:len(names)])
     ax1.axhline(1.25, ls="--", color="k", lw=0.8)
+    ax1.axhline(1.5, ls=":", color="k", lw=0.8)
     ax1.set_ylabel("node store bytes / own state bytes")
-    ax1.set_title(f"memory per node ({doc['args']['world']} nodes)")
+    ax1.set_title("memory per node (" + ", ".join(f"{n}: {a.get('world')} nodes" for n, a in arms.items()) + ")")
     bg = [a["background_s"] * 1e3 for a in arms.values()]
-    part = [(a["encode_s"] if n == "xor" else a["replicate_s"]) * 1e3 for n, a in arms.items()]
+    part = [(a["encode_s"] if n != "replica" else a["replicate_s"]) * 1e3 for n, a in arms.items()]
     ax2.bar(names, bg, color="#ccc", label="background")
     ax2.bar(names, part, color="#47a", label="replicate / encode")
     ax2.set_ylabel("ms per snapshot (median, slowest rank)")

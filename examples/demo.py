@@ -61,9 +61,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="recover by restarting every worker under torchrun (the path without "
                          "aegis.run_in_process)")
     ap.add_argument("--config", default="tiny")
-    ap.add_argument("--redundancy", choices=("replica", "xor"), default="replica",
-                    help="memory redundancy: one replica per shard, or XOR parity over all nodes "
-                         "(e.g. --nodes 5 --redundancy xor: 1.25x memory instead of 2x)")
+    ap.add_argument("--redundancy", choices=("replica", "xor", "rs"), default="replica",
+                    help="memory redundancy: one replica per shard, XOR parity over all nodes "
+                         "(e.g. --nodes 5 --redundancy xor: 1.25x memory instead of 2x), or "
+                         "Reed-Solomon with 2 parity over all nodes (--nodes 6: 4+2, 1.5x)")
     ap.add_argument("--workdir", default=None)
     args = ap.parse_args(argv)
 
@@ -73,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     world = args.nodes
     train = ["--config", args.config, "--steps", str(args.steps), "--dropout", "0.1",
-             *(["--redundancy", "xor", "--group-size", str(args.nodes)] if args.redundancy == "xor"
-               else [])]
+             *(["--redundancy", args.redundancy, "--group-size", str(args.nodes)]
+               if args.redundancy != "replica" else [])]
     mode = f"shrink {args.nodes} -> {args.nodes - 1} nodes" if args.shrink else "replacement node joins"
     if not args.restart:
         mode = (f"in-process recovery: survivors go on at {args.nodes - 1} ranks, a replacement "
@@ -82,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         args.shrink = False
     print(f"aegis demo: {args.nodes} simulated nodes x 1 rank, {args.config} model, {args.steps} steps, "
           f"snapshot every step, "
-          f"{'XOR parity over the nodes' if args.redundancy == 'xor' else '1 replica'}; "
+          f"{ {'xor': 'XOR parity', 'rs': 'Reed-Solomon parity (2)'}.get(args.redundancy, '1 replica')}"
+          f"{' over the nodes' if args.redundancy != 'replica' else ''}; "
           f"lose {args.kill} after step {args.kill_after}; {mode}")
     print(f"logs: {work}")
 
@@ -304,8 +306,8 @@ def in_process(args: argparse.Namespace, work: Path, train: list[str], reference
                    restored == committed_at_kill))
     checks.append((f"restored state equals the state saved at step {restored} (full-state crc32c)",
                    same_as_saved(restored, t_kill, t_replace)))
-    if args.redundancy == "xor":
-        checks.append(("the lost node's shard was rebuilt from the survivors' XOR parity",
+    if args.redundancy != "replica":
+        checks.append((f"the lost node's shard was rebuilt from the survivors' {args.redundancy.upper()} parity",
                        "rebuild" in src))
     if grow_restores:
         g = grow_restores[0]["step"]

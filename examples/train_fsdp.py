@@ -499,9 +499,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--every", type=int, default=1, help="aegis snapshot every N steps")
     p.add_argument("--keep", type=int, default=1, help="aegis in-memory snapshots to keep")
     p.add_argument("--replicas", type=int, default=1, help="aegis replicas on other nodes")
-    p.add_argument("--redundancy", choices=("replica", "xor"), default="replica",
-                   help="aegis memory redundancy: whole replicas, or XOR parity groups")
-    p.add_argument("--group-size", type=int, default=5, help="nodes per XOR parity group")
+    p.add_argument("--redundancy", choices=("replica", "xor", "rs"), default="replica",
+                   help="aegis memory redundancy: whole replicas, XOR or Reed-Solomon parity groups")
+    p.add_argument("--group-size", type=int, default=5, help="nodes per parity group")
+    p.add_argument("--parity", type=int, default=2, help="RS: lost nodes per group it rebuilds")
     p.add_argument("--durable", default=None, help="aegis durable tier URL (file:// or s3://)")
     p.add_argument("--durable-every", type=int, default=10, help="upload every N steps")
     p.add_argument("--durable-keep-last", type=int, default=None,
@@ -647,6 +648,7 @@ def _train(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> 
             replicas=args.replicas,
             redundancy=args.redundancy,
             group_size=args.group_size,
+            parity=args.parity,
             store_dir=args.store_dir,
             durable=args.durable,
             durable_every=args.durable_every,

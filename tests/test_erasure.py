@@ -14,12 +14,17 @@ from aegis.snapshot.erasure import (
     RS_DEFAULT_EC_TYPE,
     RS_FALLBACK_EC_TYPE,
     SEGMENT_ALIGN,
+    StripeLayout,
     UnrecoverableLossError,
     XorLayout,
     XorParity,
     rs_encode,
     rs_layout,
+    rs_piece_size,
     rs_rebuild,
+    rs_stripe_decode,
+    rs_stripe_encode,
+    rs_stripe_layout,
     xor_encode,
     xor_layout,
     xor_rebuild,
@@ -234,3 +239,68 @@ def test_rs_parity_from_another_group_is_refused() -> None:
     with pytest.raises(ValueError, match="another group layout"):
         rs_rebuild(layout, {1: shards[1], 2: shards[2]}, other, [0],
                    expected_crc32c={0: crc32c.crc32c(shards[0])})
+
+
+# -- RS over the stripe layout (what the snapshot engine stores) ---------------------------------
+
+
+def _rs_group(lengths: list[int], parity: int) -> tuple[StripeLayout, list[bytes], dict[int, dict[int, bytes]]]:
+    """Encode every stripe as the engine does; returns layout, shards, holder -> stripe -> piece."""
+    layout = rs_stripe_layout(lengths, parity)
+    shards = shards_of(lengths, seed=len(lengths) + parity)
+    stored: dict[int, dict[int, bytes]] = {m: {} for m in range(layout.members)}
+    for j in range(layout.members):
+        segs = []
+        for p in range(layout.data):
+            i = layout.contributor_at(j, p)
+            a, b = layout.segment_range(i, j)
+            segs.append(shards[i][a:b])
+        for q, piece in enumerate(rs_stripe_encode(layout, j, segs)):
+            stored[layout.holders(j)[q]][j] = piece
+    return layout, shards, stored
+
+
+@pytest.mark.parametrize(("lengths", "parity"), [([5000, 4000, 1, 0, 4999, 4096], 2),
+                                                  ([3000, 2999, 3001, 64, 128], 2),
+                                                  ([700, 700, 700, 700, 700], 3)])
+def test_rs_stripes_every_loss_pattern_is_rebuilt_bitwise(lengths: list[int], parity: int) -> None:
+    layout, shards, stored = _rs_group(lengths, parity)
+    n, d, size = layout.members, layout.data, layout.segment_size
+    # every member stores k pieces of one segment (+ liberasurecode's headers) each
+    for m in range(n):
+        assert len(stored[m]) == parity
+        assert sum(len(p) for p in stored[m].values()) == parity * rs_piece_size(layout)
+    assert rs_piece_size(layout) < size + (d + 1) * 128
+    for lost in itertools.combinations(range(n), parity):
+        for x in lost:
+            out = bytearray(d * size)
+            for s in range(d):
+                j = layout.stripe_of(x, s)
+                pieces: dict[int, bytes] = {}
+                for p in range(d):
+                    i = layout.contributor_at(j, p)
+                    if i not in lost:
+                        a, b = layout.segment_range(i, j)
+                        pieces[p] = shards[i][a:b]
+                for q, h in enumerate(layout.holders(j)):
+                    if h not in lost:
+                        pieces[d + q] = stored[h][j]
+                pos = layout.segment_for(x, j)
+                assert pos == s
+                out[s * size:(s + 1) * size] = rs_stripe_decode(layout, j, pieces, [pos])[pos]
+            assert bytes(out[:lengths[x]]) == shards[x], (lost, x)
+
+
+def test_rs_stripes_too_few_pieces_is_a_clear_error_and_k1_is_the_xor_layout() -> None:
+    layout, shards, stored = _rs_group([900] * 5, 2)
+    j = 0
+    # contributors of stripe 0 are members 4, 3, 2; holders 0, 1. Lose 4, 3 and holder 0
+    a, b = layout.segment_range(2, j)
+    pieces = {2: shards[2][a:b], 4: stored[1][0]}
+    with pytest.raises(UnrecoverableLossError, match="needs 3 to rebuild"):
+        rs_stripe_decode(layout, j, pieces, [0])
+    with pytest.raises(ConfigError, match="needs at least 4 members"):
+        rs_stripe_layout([10, 10, 10], 2)
+    assert rs_stripe_layout([10] * 5, 1).segment_size == xor_layout([10] * 5).segment_size
+    x = xor_layout([5000, 4000, 1, 0, 4999])
+    assert all(x.holders(j) == (j,) for j in range(5))

@@ -413,6 +413,14 @@ def test_plan_command_table_json_and_errors(tmp_path: Path) -> None:
     r = runner.invoke(plan_cmd, [*args, "--redundancy", "xor", "--group-size", "8"])
     assert r.exit_code == 0 and "1.14x the state per node" in r.output, r.output
     assert json.loads(runner.invoke(plan_cmd, [*args, "--json"]).output)["redundancy"]["memory_factor"] == 2.0
+    # Reed-Solomon 6+2 over groups of 8: 1 + 2/6 of the state, survives 2 per group, and a
+    # group too small for its parity is refused with the fix
+    r = runner.invoke(plan_cmd, [*args, "--redundancy", "rs", "--group-size", "8", "--parity", "2", "--json"])
+    red = json.loads(r.output)["redundancy"]
+    assert red["memory_factor"] == pytest.approx(8 / 6) and red["rebuild_bytes_factor"] == 6, red
+    assert red["survives"] == "2 lost nodes per parity group", red
+    r = runner.invoke(plan_cmd, [*args, "--redundancy", "rs", "--group-size", "3", "--parity", "2"])
+    assert r.exit_code == 2 and "at least 4 nodes" in r.output, r.output
     # Bad input: exit code 2 and one line.
     r = runner.invoke(plan_cmd, ["--nodes", "2", "--failures-per-day", "1", "--snapshot-s", "0.1"])
     assert r.exit_code == 2 and "restart" in r.output

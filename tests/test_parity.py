@@ -1,7 +1,8 @@
-"""XOR parity groups (issue 16) on real gloo ranks, one rank per simulated node: each node
-keeps its shard plus 1/(N-1) of parity, a lost node's shard is rebuilt from the survivors
-(bitwise, resharded when the world shrinks), and losses beyond the parity, or a corrupt
-parity, go to the durable tier or fail with an error naming the group and the lost members."""
+"""XOR and Reed-Solomon parity groups (issue 16) on real gloo ranks, one rank per simulated
+node: each node keeps its shard plus k/(N-k) of parity, a lost node's shard is rebuilt from the
+survivors (bitwise, resharded when the world shrinks), and losses beyond the parity, or a
+corrupt parity, go to the durable tier or fail with an error naming the group and the lost
+members."""
 
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ def test_groups_take_one_rank_per_node_and_spread_failure_domains() -> None:
 
 
 XOR = {"redundancy": "xor", "group_size": 5}
+RS = {"redundancy": "rs", "group_size": 5, "parity": 2}  # 3+2 over the five nodes
 
 
 def _mgr(root: str, node: str, model, opt, sched, **kw):  # type: ignore[no-untyped-def]
@@ -53,7 +55,7 @@ def _mgr(root: str, node: str, model, opt, sched, **kw):  # type: ignore[no-unty
 
     os.environ["AEGIS_NODE_ID"] = node
     return Manager(JOB, {"model": ModelOptimizerState(model, opt), "sched": sched},
-                   store_dir=f"{root}/{node}", verbose=False, **XOR, **kw)
+                   store_dir=f"{root}/{node}", verbose=False, **{**XOR, **kw})
 
 
 def _save(rank: int, world: int, root: str, kw: dict[str, Any]) -> Any:
@@ -120,35 +122,38 @@ def test_xor_keeps_a_quarter_more_rebuilds_one_lost_node_bitwise_and_names_more_
     assert "lost the shards of ranks [1, 2]" in out[0], out[0]
 
 
+@pytest.mark.parametrize("scheme", ["xor", "rs"])
 def test_a_loss_while_encoding_then_a_corrupt_parity_resume_bitwise_from_durable(
-        store_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        scheme: str, store_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # rank 2 is SIGKILLed while step 3's parity segments are exchanged: step 3 never commits
     kw: dict[str, Any] = {"durable": f"file://{tmp_path}/bucket", "durable_every": 1,
-                          "timeout": timedelta(seconds=10)}
+                          "timeout": timedelta(seconds=10), **(RS if scheme == "rs" else XOR)}
     with pytest.raises(RuntimeError, match="died|failed"):
         run_ranks(5, _save, str(store_dir), kw, env={"AEGIS_FAIL_AT": "2:3:encode"})
     assert [s.step for s in NodeStore(store_dir / "a", JOB).steps() if s.committed] == [2]
     lose(store_dir, "c")
-    # and the parity of stripe 0, which rebuilding rank 2's shard needs, is damaged
-    path = NodeStore(store_dir / "a", JOB).parity_path(2, 0)
+    # and rank 0's parity, which rebuilding rank 2's shard needs (XOR: stripe 0; RS 3+2: piece
+    # 0 of stripe 0, whose other contributors are ranks 4 and 3), is damaged
+    path = NodeStore(store_dir / "a", JOB).parity_path(2, 0, scheme)
     data = bytearray(path.read_bytes())
     data[5] ^= 0x10
     path.write_bytes(bytes(data))
     # the CLI shows the groups and `aegis verify` names the damaged parity
     code, text, _ = inproc(capsys, "inspect", str(store_dir / "a"), "--json")
     red = json.loads(text)["redundancy"]
-    assert code == 0 and red["scheme"] == "xor" and red["groups"][0]["nodes"] == NODES, red
+    assert code == 0 and red["scheme"] == scheme and red["groups"][0]["nodes"] == NODES, red
     code, text, _ = inproc(capsys, "verify", str(store_dir / "a"), "--json")
     fails = [f for f in json.loads(text)["failures"] if "parity" in f["error"]]
     assert code == 1 and [f["rank"] for f in fails] == [0], fails
-    assert "XOR parity of rank 0 at step 2" in fails[0]["error"], fails
+    assert f"{scheme.upper()} parity of rank 0 at step 2" in fails[0]["error"], fails
     # step 2 is restored bitwise: rank 2's shard from the durable tier, never a wrong rebuild
     out = _restore_xor(5, store_dir, ["a", "b", "f", "d", "e"], kw)
     assert [o["step"] for o in out] == [2] * 5, out
     assert_bitwise_equal(torch.load(store_dir / "full-2.pt"), out[0]["full"])
     src = {s["shard"]: s for s in out[2]["sources"]}[2]
     assert src["tier"] == "durable", src
-    assert any("XOR parity of rank 0" in x and "corrupt" in x for x in out[2]["skipped"]), out[2]["skipped"]
+    assert any(f"{scheme.upper()} parity of rank 0" in x and "corrupt" in x
+               for x in out[2]["skipped"]), out[2]["skipped"]
 
 
 def test_a_damaged_parity_record_is_rejected() -> None:
@@ -168,7 +173,7 @@ def test_a_rebuild_on_a_node_without_the_step_reports_instead_of_raising(tmp_pat
     """Seen in the XOR chaos arm: a replacement node whose only work for a step was a rebuild
     had no step directory yet; the rebuilding rank raised alone and its peers waited forever.
     Every failure of the fold is a result (here: nothing folded, so the chunks do not match)."""
-    from aegis.training.recovery import REBUILD, _fold_rebuilds, _runs
+    from aegis.training.recovery import REBUILD, _fold_rebuilds, _runs, _xor_ranges
 
     store = NodeStore(tmp_path / "new-node", "j")
     store.create()
@@ -177,7 +182,84 @@ def test_a_rebuild_on_a_node_without_the_step_reports_instead_of_raising(tmp_pat
     m = dataclasses.replace(m, redundancy=Redundancy("xor", (ParityGroup((0, 1), layout.segment_size, (1, 2)),)))
     g = m.redundancy.groups[0]  # type: ignore[union-attr]
     rec = m.shard(1)
-    plan = (1, "new-node", {0}, g, layout, 1, _runs(list(rec.chunks), {0}, size=rec.size))
-    out = _fold_rebuilds(store, m, [plan], {(1, "new-node"): ([], 0)}, [], lambda n, s: 0, 0, 0.0)
+    ranges = _xor_ranges(layout, 1, _runs(list(rec.chunks), {0}, size=rec.size))
+    plan = (1, "new-node", {0}, g, layout, ranges)
+    nothing = [(pos, []) for pos, _ in ranges]  # no piece arrived
+    out = _fold_rebuilds(store, m, [plan], {(1, "new-node"): (nothing, 0)}, [], lambda n, s: 0, 0, 0.0)
     assert len(out) == 1 and out[0][:3] == (1, REBUILD, "new-node") and out[0][3], out
     assert "crc32c mismatch" in out[0][3] and not store.partial_path(5, 1).exists()
+
+
+
+def test_rs_3_plus_2_rebuilds_two_lost_nodes_bitwise_and_names_a_third(
+        store_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    saved = run_ranks(5, _save, str(store_dir), RS)
+    assert all(o["committed"] and o["replica_bytes"] == 0 and o["parity_bytes"] > 0 for o in saved)
+    m = NodeStore(store_dir / "a", JOB).read_manifest(3)
+    assert m.redundancy is not None and (m.redundancy.scheme, m.redundancy.parity) == ("rs", 2)
+    (group,) = m.redundancy.groups
+    assert Manifest.from_json(m.to_json()) == m
+    for r, node in enumerate(NODES):
+        store = NodeStore(store_dir / node, JOB)
+        store.verify_parity(3, r, group.stored, group.parity_crc32c[r], "rs")
+        # 2 pieces of a third of the largest shard each (+ liberasurecode's small headers)
+        assert store.parity_path(3, r, "rs").stat().st_size == group.stored
+        assert group.stored <= 2 / 3 * max(s.size for s in m.shards) + 2 * (64 + 4 * 80)
+    code, text, _ = inproc(capsys, "inspect", str(store_dir / "a"), "--json")
+    red = json.loads(text)["redundancy"]
+    assert code == 0 and (red["scheme"], red["parity"]) == ("rs", 2), red
+    assert red["groups"][0]["survives_losses"] == 2, red
+    code, text, _ = inproc(capsys, "verify", str(store_dir / "b"), "--json")
+    assert not [f for f in json.loads(text)["failures"] if "parity" in f["error"]], text
+    # two nodes lost at once: their replacements rebuild both shards from the three survivors
+    lose(store_dir, "c")
+    lose(store_dir, "e")
+    out = _restore_xor(5, store_dir, ["a", "b", "f", "d", "g"], RS)
+    assert [o["step"] for o in out] == [3] * 5, out
+    assert_bitwise_equal(saved[0]["full"], out[0]["full"])
+    for r in (2, 4):
+        src = {s["shard"]: s for s in out[r]["sources"]}[r]
+        assert src["tier"] == "rebuild" and src["fetch_bytes"] > 0, src
+    # shrink to the three survivors: readers of ranks 2 and 4's old shards rebuild them
+    lose(store_dir, "f")
+    lose(store_dir, "g")
+    out = _restore_xor(3, store_dir, ["a", "b", "d"], RS)
+    assert [o["step"] for o in out] == [3] * 3, out
+    assert_bitwise_equal(saved[0]["full"], out[0]["full"])
+    assert any(s["tier"] == "rebuild" for o in out for s in o["sources"])
+    # a third member lost: more than 3+2 parity covers, no durable tier: the error names it
+    lose(store_dir, "b")
+    out = _restore_xor(2, store_dir, ["a", "d"], RS)
+    assert all(isinstance(o, str) for o in out), out
+    assert "RS parity group (ranks [0, 1, 2, 3, 4])" in out[0] and "rebuilds 2 lost members" in out[0], out[0]
+
+
+def test_bad_redundancy_settings_are_config_errors_before_any_process_group() -> None:
+    from aegis.errors import ConfigError
+    from aegis.training.config import ManagerConfig
+
+    with pytest.raises(ConfigError, match="'replica'.*'xor'.*'rs'"):
+        ManagerConfig(job="j", redundancy="raid6")
+    with pytest.raises(ConfigError, match="parity=0: must be an integer >= 1"):
+        ManagerConfig(job="j", redundancy="rs", parity=0)
+    with pytest.raises(ConfigError, match="at least parity \\+ 2 = 5 nodes"):
+        ManagerConfig(job="j", redundancy="rs", group_size=4, parity=3)
+    assert ManagerConfig(job="j", redundancy="rs", group_size=6, parity=2).parity == 2
+
+
+def test_rs_a_node_lost_during_recovery_is_the_second_loss_it_covers(store_dir: Path) -> None:
+    """RS 3+2: node c is lost, and while the job restores (after the decision, before any
+    shard moves) node e's rank is SIGKILLed. The next restore, on two replacement nodes,
+    rebuilds both lost shards from the three survivors, bitwise."""
+    saved = run_ranks(5, _save, str(store_dir), RS)
+    lose(store_dir, "c")
+    kw = {**RS, "timeout": timedelta(seconds=10)}
+    with pytest.raises(RuntimeError, match="died"):
+        run_ranks(5, _restore, str(store_dir), ["a", "b", "f", "d", "e"], 0, kw,
+                  env={"AEGIS_FAIL_AT": "4:3:restore"})
+    lose(store_dir, "e")
+    out = _restore_xor(5, store_dir, ["a", "b", "f", "d", "g"], RS)
+    assert [o["step"] for o in out] == [3] * 5, out
+    assert_bitwise_equal(saved[0]["full"], out[0]["full"])
+    for r in (2, 4):
+        assert {s["shard"]: s for s in out[r]["sources"]}[r]["tier"] == "rebuild", out[r]["sources"]

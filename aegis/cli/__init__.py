@@ -40,8 +40,9 @@ Fields are only ever added within a schema version. Sizes are bytes, times are U
   size}]), entries: [{name, kind ("tensor" | "object"), dtype, shape, shards, bytes, value?}],
   state_kinds: {state name: "sharded" | "per_rank" | "replicated"}`` (per_rank entries are keyed
   ``per_rank.rankNNNNN.<name>``: one copy per rank; ``{}`` for DCP directories), redundancy:
-  ``{scheme: "replica", copies}`` or ``{scheme: "xor", groups: [{members, nodes,
-  parity_bytes_per_member, survives_losses}]}`` (null for DCP directories),
+  ``{scheme: "replica", copies}`` or ``{scheme: "xor" | "rs", groups: [{members, nodes,
+  parity_bytes_per_member, survives_losses}]}`` (RS adds ``parity`` and ``ec_type``; null
+  for DCP directories),
   ``tensor?: {name, dtype, shape, numel, min, max, mean, norm, nan, inf}`` (``value`` only with
   --unsafe-load-objects: its ``repr``; ``tensor`` only with --tensor).
 * ``aegis.verify/1``: ``ok, checksums (false for a plain DCP directory: only presence and
@@ -265,7 +266,9 @@ def _summary_table(snap: Snapshot, summary: dict[str, Any]) -> Table:
     if red and red["scheme"] == "replica":
         t.add_row("redundancy", f"whole replicas ({red['copies']} per shard)")
     elif red:
-        t.add_row("redundancy", f"{red['scheme']} parity, survives 1 lost node per group: " + "; ".join(
+        k = red["groups"][0]["survives_losses"] if red["groups"] else 1
+        what = "XOR parity" if red["scheme"] == "xor" else f"Reed-Solomon parity ({red.get('ec_type')})"
+        t.add_row("redundancy", f"{what}, survives {k} lost node{'s' if k > 1 else ''} per group: " + "; ".join(
             f"ranks {g['members']} on {', '.join(g['nodes'])} ({fmt_bytes(g['parity_bytes_per_member'])} "
             "parity each)" for g in red["groups"]))
     n_t = sum(isinstance(e, TensorEntry) for e in snap.entries.values())

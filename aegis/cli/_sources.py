@@ -237,10 +237,11 @@ def _redundancy_summary(m: Manifest) -> dict[str, Any]:
         return {"scheme": "replica",
                 "copies": min((len(s.replicas) for s in m.shards), default=0)}
     nodes = m.nodes()
-    return {"scheme": m.redundancy.scheme, "groups": [
+    red = m.redundancy
+    return {"scheme": red.scheme, "groups": [
         {"members": list(g.members), "nodes": [nodes[r] for r in g.members],
-         "parity_bytes_per_member": g.segment_size, "survives_losses": 1}
-        for g in m.redundancy.groups]}
+         "parity_bytes_per_member": g.stored, "survives_losses": red.parity}
+        for g in red.groups]} | ({"parity": red.parity, "ec_type": red.ec_type} if red.scheme == "rs" else {})
 
 
 def _needed_chunks(manifest: Manifest, names: Collection[str] | None) -> dict[int, set[int]]:
@@ -419,18 +420,20 @@ class NodeStoreSource(Source):
                             res.failures.append(self._failure(step, rec.rank, None, str(e)))
                 finally:
                     m_.close()
-        # XOR parity held here: every parity file against its recorded size and crc32c
+        # parity held here: every parity file against its recorded size and crc32c
         # (a member's parity lives next to its own shard)
         info = next((i for i in self.store.steps() if i.step == step), None)
         here = set(info.parity_ranks + info.shard_ranks) if info is not None else set()
-        for g in m.redundancy.groups if m.redundancy is not None else ():
+        red = m.redundancy
+        for g in red.groups if red is not None else ():
+            assert red is not None
             for r, crc in zip(g.members, g.parity_crc32c, strict=True):
                 if r in here:
                     try:
-                        self.store.verify_parity(step, r, g.segment_size, crc)
+                        self.store.verify_parity(step, r, g.stored, crc, red.scheme)
                     except CorruptShardError as e:
                         res.failures.append(self._failure(step, r, None, str(e)))
-                    res.bytes += g.segment_size
+                    res.bytes += g.stored
         return res
 
     def prune(self, keep_last: int, keep_every: int, *, dry_run: bool) -> list[int]:

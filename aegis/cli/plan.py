@@ -119,12 +119,15 @@ def _pick(name: str, explicit: float | None, measured: float | None, fallback: f
               help="A run's events directory (rank-NNNNN.jsonl files, searched recursively).")
 @click.option("--bench", "bench_files", type=click.Path(path_type=Path, exists=True, dir_okay=False),
               multiple=True, help="A bench/results/*.json file (recovery, snapshot_overhead, restore, goodput).")
-@click.option("--redundancy", type=click.Choice(["replica", "xor"]), default=None,
-              help="Memory redundancy: one whole replica per shard (default), or XOR parity groups "
-                   "(Manager(redundancy=...)). Both survive one lost node (per group for xor). "
-                   "Given (or with --state-gb-per-node), the table ends with the node memory.")
+@click.option("--redundancy", type=click.Choice(["replica", "xor", "rs"]), default=None,
+              help="Memory redundancy: one whole replica per shard (default), XOR parity groups, "
+                   "or Reed-Solomon groups (Manager(redundancy=...)). Replica and XOR survive one "
+                   "lost node (per group for xor), RS --parity per group. Given (or with "
+                   "--state-gb-per-node), the table ends with the node memory.")
 @click.option("--group-size", type=click.IntRange(min=2), default=5, show_default=True,
-              help="With --redundancy xor: nodes per parity group.")
+              help="With --redundancy xor or rs: nodes per parity group.")
+@click.option("--parity", type=click.IntRange(min=1), default=2, show_default=True,
+              help="With --redundancy rs: lost nodes per group it rebuilds (Manager(parity=)).")
 @click.option("--state-gb-per-node", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Training state per node (GB), to size the node store (x (keep + 1)).")
 @click.option("--keep", type=click.IntRange(min=1), default=1, show_default=True,
@@ -136,8 +139,8 @@ def plan(nodes: int, gpus_per_node: int, gpu_hour_cost: float | None, mtbf_node_
          restart_s: float | None, durable_restart_s: float | None, memory_latency_s: float | None,
          durable_latency_s: float | None,
          step_s: float | None, events_dirs: tuple[Path, ...], bench_files: tuple[Path, ...],
-         redundancy: str | None, group_size: int, state_gb_per_node: float | None, keep: int,
-         as_json: bool) -> int:
+         redundancy: str | None, group_size: int, parity: int, state_gb_per_node: float | None,
+         keep: int, as_json: bool) -> int:
     """Optimal snapshot intervals (Young, Daly, two-level) and the expected cost of failures:
     durable-only checkpointing against memory + durable. Costs default to the ones measured in
     a run's events (--events) or a benchmark result (--bench); explicit options override."""
@@ -178,7 +181,7 @@ def plan(nodes: int, gpus_per_node: int, gpu_hour_cost: float | None, mtbf_node_
         )
     except ValueError as e:
         raise CliError(str(e)) from e
-    red = _redundancy(redundancy or "replica", group_size, nodes, state_gb_per_node, keep)
+    red = _redundancy(redundancy or "replica", group_size, nodes, state_gb_per_node, keep, parity)
     if as_json:
         doc = {"schema": "aegis.plan/1", **p.to_json(),
                "measured": {"sources": measured.sources, "counts": measured.counts, "used": used},
@@ -192,14 +195,24 @@ def plan(nodes: int, gpus_per_node: int, gpu_hour_cost: float | None, mtbf_node_
 
 
 def _redundancy(scheme: str, group_size: int, nodes: int, state_gb: float | None,
-                keep: int) -> dict[str, Any]:
+                keep: int, parity: int = 2) -> dict[str, Any]:
     """What the memory tier holds per node and what it survives, for ``scheme``.
 
     A replica doubles each node's snapshot memory; XOR parity over groups of N nodes adds
     1/(N-1) (groups of N to 2N-1 members: with fewer than N nodes, one group of all of them).
     Both survive one lost node (XOR: one per group), which is what ``--memory-coverage``
-    assumes; a rebuild moves N-1 times the bytes a replica fetch moves."""
-    if scheme == "xor":
+    assumes; a rebuild moves N-1 times the bytes a replica fetch moves. Reed-Solomon with k
+    parity adds k/(N-k) and survives k lost nodes per group; a rebuild moves N-k times."""
+    if scheme == "rs":
+        n = min(group_size, nodes)
+        if n < parity + 2:
+            raise CliError(f"--redundancy rs with --parity {parity} needs groups of at least "
+                           f"{parity + 2} nodes (2 data pieces per stripe); this plan has {n}: "
+                           f"lower --parity, raise --group-size / --nodes, or use xor")
+        factor = 1 + parity / (n - parity)
+        survives = f"{parity} lost nodes per parity group"
+        rebuild = float(n - parity)
+    elif scheme == "xor":
         if nodes < 2:
             raise CliError("--redundancy xor needs at least 2 nodes (a group rebuilds a lost member "
                            "from the others)")
@@ -222,17 +235,18 @@ def _redundancy(scheme: str, group_size: int, nodes: int, state_gb: float | None
 
 def _print_redundancy(r: dict[str, Any]) -> None:
     console = stdout_console()
-    scheme = ("whole replicas" if r["scheme"] == "replica"
-              else f"XOR parity, groups of {r['group_size']} nodes")
+    scheme = {"replica": "whole replicas",
+              "xor": f"XOR parity, groups of {r['group_size']} nodes",
+              "rs": f"Reed-Solomon parity, groups of {r['group_size']} nodes"}[r["scheme"]]
     line = (f"\nmemory    {scheme}: {r['memory_factor']:.3g}x the state per node (a replica: "
             f"{r['replica_memory_factor']:.3g}x); survives {r['survives']}")
     if r["node_store_gb"] is not None:
         line += (f"; node store {r['node_store_gb']:,.1f} GB"
-                 + (f" (replica: {r['replica_node_store_gb']:,.1f} GB)" if r["scheme"] == "xor"
+                 + (f" (replica: {r['replica_node_store_gb']:,.1f} GB)" if r["scheme"] != "replica"
                     and r["replica_node_store_gb"] is not None else ""))
     console.print(line)
-    if r["scheme"] == "xor":
-        console.print(f"{'':<10}a lost node's shard is rebuilt from {r['group_size'] - 1} survivors: "
+    if r["scheme"] != "replica":
+        console.print(f"{'':<10}a lost node's shard is rebuilt from {r['rebuild_bytes_factor']:.0f} survivors' pieces: "
                       f"{r['rebuild_bytes_factor']:.0f}x the bytes of a replica fetch (count it in "
                       "--restore-s)")
 

@@ -41,12 +41,22 @@ from aegis._dist import Group
 from aegis.errors import (
     AegisError,
     CollectiveError,
+    ConfigError,
     CorruptShardError,
     StepOrderError,
     StoreFullError,
 )
 from aegis.snapshot.dcp_io import DEFAULT_CHUNK_BYTES, StagedShard, complete, stage
-from aegis.snapshot.erasure import xor_into, xor_layout
+from aegis.snapshot.erasure import (
+    RS_DEFAULT_EC_TYPE,
+    StripeLayout,
+    rs_piece_size,
+    rs_stripe_encode,
+    rs_stripe_layout,
+    stripe_layout,
+    xor_into,
+    xor_layout,
+)
 from aegis.snapshot.manifest import (
     BytesEntry,
     Manifest,
@@ -215,6 +225,7 @@ class SnapshotEngine:
         state_kinds: Mapping[str, str] | None = None,
         redundancy: str = "replica",
         group_size: int = 5,
+        parity: int = 2,
     ) -> None:
         self.store = store
         # entry name -> kind, recorded in each manifest; the owner (the Manager) fills it in when
@@ -238,17 +249,29 @@ class SnapshotEngine:
         self._pinned: dict[int, int] = {}
         ids = group.all_gather((node, domain or node), "node discovery")
         self.nodes: list[str] = [n for n, _ in ids]
-        if redundancy not in ("replica", "xor"):
-            raise AegisError(f"redundancy={redundancy!r}: use 'replica' or 'xor'")
+        if redundancy not in ("replica", "xor", "rs"):
+            raise AegisError(f"redundancy={redundancy!r}: use 'replica', 'xor' or 'rs'")
         self.placement = Placement.build(self.nodes, [d for _, d in ids],
                                          replicas if redundancy == "replica" else 0)
-        # XOR parity groups (issue 16): member ranks in order; empty with whole replicas
+        # parity groups (issue 16): member ranks in order; empty with whole replicas
         self.groups: list[tuple[int, ...]] = []
-        if redundancy == "xor":
+        self.scheme = redundancy
+        self.parity = 1 if redundancy == "xor" else parity  # losses per group it rebuilds
+        if redundancy != "replica":
             try:
                 self.groups = parity_groups(self.placement, group_size)
-            except ValueError as e:
-                raise AegisError(f"redundancy='xor' cannot form parity groups: {e}") from None
+                if redundancy == "rs":
+                    # a world shrunk below parity + 2 nodes per group keeps RS with the parity
+                    # its smallest group can hold, and XOR (one loss) below 3 nodes; the
+                    # Manager warns
+                    smallest = min(len(g) for g in self.groups)
+                    self.parity = max(1, min(parity, smallest - 2))
+                    if smallest < 3:
+                        self.scheme = "xor"
+                    else:  # pyeclib present: fail now, not at the first save
+                        rs_piece_size(rs_stripe_layout([64] * smallest, self.parity))
+            except (ValueError, ConfigError) as e:
+                raise AegisError(f"redundancy={redundancy!r} cannot form parity groups: {e}") from None
         self.group_of: tuple[int, ...] = next((g for g in self.groups if self.rank in g), ())
         if (replicas or self.groups) and transport is None:
             raise AegisError("replicas > 0 or parity groups need a transport")
@@ -455,7 +478,7 @@ class SnapshotEngine:
         """Fail before the first save if this node's store cannot hold keep + 1 snapshots."""
         per_shard = layout.tensor_end + _TAIL_ALLOWANCE
         # own shard + the replicas this rank receives, for keep + 1 snapshots
-        parity = 1 / (len(self.group_of) - 1) if self.group_of else 0.0
+        parity = self.parity / (len(self.group_of) - self.parity) if self.group_of else 0.0
         need = int((self.keep + 1 + self.extra_snapshots) * per_shard * (1 + len(self.sources) + parity))
         reusable = sum(os.path.getsize(s.path) for s in self._pool if s.path.exists())
         reports = self.group.all_gather(
@@ -706,16 +729,17 @@ class SnapshotEngine:
 
     def _encode(self, step: int, slot: Slot | None, staged: StagedShard | None,
                 result: SnapshotResult) -> tuple[Slot | None, tuple[int, int] | None]:
-        """XOR parity of this rank's stripe, SCR's layout (see ``aegis.snapshot.erasure``).
+        """This rank's parity file for ``step`` (see ``aegis.snapshot.erasure``'s layouts).
 
         Every rank first learns the shard lengths (one all-gather of the snapshot group: the
-        layout needs them). Then N-1 rounds within the group: in round k member i sends its
+        layout needs them). XOR: N-1 rounds within the group; in round k member i sends its
         segment for stripe i+k to member i+k, with the segment's crc32c, and receives member
         i-k's segment for its own stripe, checks its crc32c and folds it into its parity slot.
         Rounds are posted together as far as ``_ENCODE_SCRATCH`` of private scratch allows (at
-        least one segment); every member sends about one shard in all. Returns the parity slot
-        (in the step directory) and (parity bytes, parity crc32c), or (None, None) when a
-        member of the group has no shard (its failure aborts the commit)."""
+        least one segment); every member sends about one shard in all. RS: see
+        :meth:`_encode_rs`. Returns the parity slot (in the step directory) and (parity bytes,
+        parity crc32c), or (None, None) when a member of the group has no shard (its failure
+        aborts the commit)."""
         assert self.transport is not None
         length = staged.layout.tensor_end + len(staged.tail) if staged is not None and slot is not None else -1
         lengths = self.group.all_gather(length, "parity lengths")
@@ -723,8 +747,6 @@ class SnapshotEngine:
         if any(lengths[m] < 0 for m in members):
             return None, None
         assert staged is not None and slot is not None
-        layout = xor_layout([lengths[m] for m in members])
-        me, n, size = members.index(self.rank), len(members), layout.segment_size
         te = staged.layout.tensor_end
         tail = torch.frombuffer(bytearray(staged.tail), dtype=torch.uint8) if staged.tail else None
 
@@ -739,69 +761,132 @@ class SnapshotEngine:
         with self._lock:
             pslot = self._parity_pool.pop() if self._parity_pool else Slot(self._slot_name("parity"), "parity")
         try:
-            pslot.ensure(size)
-            pslot.move(self.store.parity_path(step, self.rank))
-            parity = pslot.view[:size]
-            parity.zero_()
-            # rounds run `window` at a time (one exchange each): fewer waits on the slowest
-            # peer, at `window` segments of private scratch memory (bounded by _ENCODE_SCRATCH)
-            window = max(1, min(n - 1, _ENCODE_SCRATCH // max(size + 8, 1)))
-            scratch = torch.empty(window * (size + 8), dtype=torch.uint8)
-            _fault.hit("encode", step, self.rank)
-            damaged: list[int] = []  # every round still runs: a peer never waits for a send
-            for first in range(1, n, window):
-                rounds = range(first, min(n, first + window))
-                sends, recvs = [], []
-                got: dict[int, int] = {}
-                for w, k in enumerate(rounds):
-                    dst, src = (me + k) % n, (me - k) % n
-                    parts = cut(*layout.segment_range(me, dst))
-                    crc = 0
-                    tc = time.perf_counter()
-                    for part in parts:
-                        crc = _crc32c.crc32c(_mv(part), crc)
-                    result.encode_compute_s += time.perf_counter() - tc
-                    stamp = torch.frombuffer(bytearray(crc.to_bytes(8, "little")), dtype=torch.uint8)
-                    sends.append(Send(members[dst], [*parts, stamp]))
-                    buf = scratch[w * (size + 8):(w + 1) * (size + 8)]
-
-                    def alloc(sizes: list[int], w: int = w, buf: torch.Tensor = buf,
-                              got: dict[int, int] = got) -> list[torch.Tensor]:
-                        total = sum(sizes)
-                        if total > size + 8 or not sizes or sizes[-1] != 8:
-                            raise AegisError(f"parity encoding: a segment of {total} bytes for a "
-                                             f"{size}-byte stripe")
-                        got[w] = total - 8
-                        out, pos = [], 0
-                        for nbytes in sizes:
-                            out.append(buf[pos:pos + nbytes])
-                            pos += nbytes
-                        return out
-
-                    recvs.append(Recv(members[src], alloc))
-                self.transport.exchange(sends, recvs)
-                tc = time.perf_counter()
-                for w, k in enumerate(rounds):
-                    nseg = got[w]
-                    buf = scratch[w * (size + 8):(w + 1) * (size + 8)]
-                    seg = _mv(buf[:nseg])
-                    if _crc32c.crc32c(seg) != int.from_bytes(_mv(buf[nseg:nseg + 8]), "little"):
-                        damaged.append(members[(me - k) % n])
-                        continue
-                    xor_into(_mv(parity), seg)
-                result.encode_compute_s += time.perf_counter() - tc
-            if damaged:
-                raise CorruptShardError(
-                    f"XOR segment(s) from rank(s) {damaged} for the parity of rank {self.rank} at "
-                    f"step {step} were damaged in transit (crc32c differs)",
-                    step=step, rank=damaged[0], where=f"parity encoding on node {self.node!r}")
+            if self.scheme == "rs":
+                size = self._encode_rs(step, rs_stripe_layout([lengths[m] for m in members], self.parity),
+                                       cut, pslot, result)
+            else:
+                size = self._encode_xor(step, xor_layout([lengths[m] for m in members]), cut, pslot, result)
             tc = time.perf_counter()
-            pcrc = int(_crc32c.crc32c(_mv(parity)))
+            pcrc = int(_crc32c.crc32c(_mv(pslot.view[:size])))
             result.encode_compute_s += time.perf_counter() - tc
         except BaseException:
             self._discard(step, None, [pslot])
             raise
         return pslot, (size, pcrc)
+
+    def _segment_exchange(self, step: int, rounds: list[tuple[list[tuple[int, list[torch.Tensor]]], list[int]]],
+                          size: int, result: SnapshotResult) -> list[list[memoryview]]:
+        """One exchange of parity segments: each round sends ``(member, parts)`` (this rank's
+        segment for a stripe, crc32c appended) and receives one segment from each listed
+        member into private scratch. Returns the received segments per round, each checked
+        against its crc32c; a damaged one raises once every transfer is done."""
+        assert self.transport is not None
+        members = self.group_of
+        total = sum(len(srcs) for _, srcs in rounds)
+        scratch = torch.empty(total * (size + 8), dtype=torch.uint8)
+        sends, recvs, got = [], [], {}
+        w = 0
+        for dests, srcs in rounds:
+            for dst, parts in dests:
+                crc = 0
+                tc = time.perf_counter()
+                for part in parts:
+                    crc = _crc32c.crc32c(_mv(part), crc)
+                result.encode_compute_s += time.perf_counter() - tc
+                stamp = torch.frombuffer(bytearray(crc.to_bytes(8, "little")), dtype=torch.uint8)
+                sends.append(Send(members[dst], [*parts, stamp]))
+            for src in srcs:
+                buf = scratch[w * (size + 8):(w + 1) * (size + 8)]
+
+                def alloc(sizes: list[int], w: int = w, buf: torch.Tensor = buf) -> list[torch.Tensor]:
+                    total = sum(sizes)
+                    if total > size + 8 or not sizes or sizes[-1] != 8:
+                        raise AegisError(f"parity encoding: a segment of {total} bytes for a "
+                                         f"{size}-byte stripe")
+                    got[w] = total - 8
+                    out, pos = [], 0
+                    for nbytes in sizes:
+                        out.append(buf[pos:pos + nbytes])
+                        pos += nbytes
+                    return out
+
+                recvs.append(Recv(members[src], alloc))
+                w += 1
+        self.transport.exchange(sends, recvs)
+        tc = time.perf_counter()
+        out: list[list[memoryview]] = []
+        damaged: list[int] = []  # every transfer still ran: a peer never waits for a send
+        w = 0
+        for _, srcs in rounds:
+            segs = []
+            for src in srcs:
+                nseg = got[w]
+                buf = scratch[w * (size + 8):(w + 1) * (size + 8)]
+                seg = _mv(buf[:nseg])
+                if _crc32c.crc32c(seg) != int.from_bytes(_mv(buf[nseg:nseg + 8]), "little"):
+                    damaged.append(members[src])
+                segs.append(seg)
+                w += 1
+            out.append(segs)
+        result.encode_compute_s += time.perf_counter() - tc
+        if damaged:
+            raise CorruptShardError(
+                f"parity segment(s) from rank(s) {damaged} for the parity of rank {self.rank} at "
+                f"step {step} were damaged in transit (crc32c differs)",
+                step=step, rank=damaged[0], where=f"parity encoding on node {self.node!r}")
+        return out
+
+    def _encode_xor(self, step: int, layout: StripeLayout, cut: Callable[[int, int], list[torch.Tensor]],
+                    pslot: Slot, result: SnapshotResult) -> int:
+        members = self.group_of
+        me, n, size = members.index(self.rank), len(members), layout.segment_size
+        pslot.ensure(size)
+        pslot.move(self.store.parity_path(step, self.rank))
+        parity = pslot.view[:size]
+        parity.zero_()
+        # rounds run `window` at a time (one exchange each): fewer waits on the slowest
+        # peer, at `window` segments of private scratch memory (bounded by _ENCODE_SCRATCH)
+        window = max(1, min(n - 1, _ENCODE_SCRATCH // max(size + 8, 1)))
+        _fault.hit("encode", step, self.rank)
+        for first in range(1, n, window):
+            ks = range(first, min(n, first + window))
+            rounds = [([((me + k) % n, cut(*layout.segment_range(me, (me + k) % n)))], [(me - k) % n])
+                      for k in ks]
+            segs = self._segment_exchange(step, rounds, size, result)
+            tc = time.perf_counter()
+            for (seg,) in segs:
+                xor_into(_mv(parity), seg)
+            result.encode_compute_s += time.perf_counter() - tc
+        return size
+
+    def _encode_rs(self, step: int, layout: StripeLayout, cut: Callable[[int, int], list[torch.Tensor]],
+                   pslot: Slot, result: SnapshotResult) -> int:
+        """Reed-Solomon parity pieces (k of them) of the stripes this rank holds.
+
+        k rounds, one exchange each: in round q, member i sends its segment for each stripe t it
+        feeds to t's q-th holder (t + q), and receives, as holder q of stripe me - q, the d
+        contributors' segments, then encodes that stripe (pyeclib) and keeps piece q. Each
+        member sends k shards' worth in all (the RS price: k copies of its data leave it) and
+        holds d segments of scratch at a time."""
+        members = self.group_of
+        me, n, d, size = members.index(self.rank), len(members), layout.data, layout.segment_size
+        piece = rs_piece_size(layout)
+        pslot.ensure(max(self.parity * piece, 1))
+        pslot.move(self.store.parity_path(step, self.rank, "rs"))
+        _fault.hit("encode", step, self.rank)
+        for q in range(self.parity):
+            j = (me - q) % n  # the stripe whose piece q this rank stores
+            dests = [((t + q) % n, cut(*layout.segment_range(me, t)))
+                     for t in ((me + 1 + s) % n for s in range(d))]
+            srcs = [layout.contributor_at(j, p) for p in range(d)]
+            (segs,) = self._segment_exchange(step, [(dests, srcs)], size, result)
+            tc = time.perf_counter()
+            pieces = rs_stripe_encode(layout, j, segs)
+            if piece:
+                pslot.view[q * piece:(q + 1) * piece].copy_(
+                    torch.frombuffer(bytearray(pieces[q]), dtype=torch.uint8))
+            result.encode_compute_s += time.perf_counter() - tc
+        return self.parity * piece
 
     def _decide_commit(self, step: int, reports: list[Any], complete_s: float) -> tuple[str, Any]:
         """Rank 0: commit only if every shard is stored and every replica verified against the
@@ -828,16 +913,20 @@ class SnapshotEngine:
         redundancy: Redundancy | None = None
         if self.groups and not failures:
             groups = []
+            rs = self.scheme == "rs"
             for members in self.groups:
-                layout = xor_layout([records[m].size for m in members])
+                layout = stripe_layout([records[m].size for m in members], self.parity)
+                expect = self.parity * rs_piece_size(layout) if rs else layout.segment_size
                 for m in members:
                     par = reports[m][6]
-                    if par is None or par[0] != layout.segment_size:
-                        failures.setdefault(m, f"XOR parity not stored (got {par}, expected "
-                                               f"{layout.segment_size} bytes)")
+                    if par is None or par[0] != expect:
+                        failures.setdefault(m, f"{self.scheme.upper()} parity not stored (got {par}, "
+                                               f"expected {expect} bytes)")
                 groups.append(ParityGroup(members, layout.segment_size,
-                                          tuple(reports[m][6][1] if reports[m][6] else 0 for m in members)))
-            redundancy = Redundancy("xor", tuple(groups))
+                                          tuple(reports[m][6][1] if reports[m][6] else 0 for m in members),
+                                          expect if rs else -1))
+            redundancy = Redundancy(self.scheme, tuple(groups), self.parity,
+                                    layout.ec_type or RS_DEFAULT_EC_TYPE if rs else "")
         if failures:
             # Skipped (not an error) only when every failing rank ran out of node-store room.
             return ("abort", (failures, all(full[r] for r in failures)))

@@ -41,7 +41,9 @@ __all__ = [
     "Buffer",
     "SegmentSource",
     "UnrecoverableLossError",
+    "StripeLayout",
     "XorLayout",
+    "stripe_layout",
     "XorParity",
     "xor_layout",
     "xor_segment",
@@ -57,6 +59,10 @@ __all__ = [
     "rs_encode",
     "rs_verify",
     "rs_rebuild",
+    "rs_stripe_layout",
+    "rs_piece_size",
+    "rs_stripe_encode",
+    "rs_stripe_decode",
 ]
 
 # Segment and fragment sizes are rounded up to this so every segment starts on a cache line
@@ -143,47 +149,76 @@ def _xor_all(out: bytearray | memoryview, parts: Sequence[memoryview]) -> None:
 
 
 @dataclass(frozen=True)
-class XorLayout:
-    """Where every segment of an N-member XOR group goes; pure data, derived from the lengths.
+class StripeLayout:
+    """Where every segment of an N-member parity group goes; pure data, from the lengths.
 
-    ``lengths[i]`` is member i's real shard length; ``segment_size`` is the padded segment
-    (and parity) size. Segments past a member's length are zeros and are never sent.
+    ``lengths[i]`` is member i's real shard length; ``parity`` (k) is how many members lose
+    and still rebuild; ``segment_size`` is the padded segment size. Each member cuts its shard
+    into d = N - k segments; stripe j takes one segment from each of its d contributors
+    (members j-1, ..., j-d) and its k parity pieces are stored on its holders, members
+    j, j+1, ..., j+k-1 (all mod N), so every member holds k pieces (SCR's layout; k = 1 is
+    XOR, where the one piece is the XOR of the segments). Segments past a member's length are
+    zeros and are never sent. ``ec_type`` names the liberasurecode backend (RS only).
     """
 
     lengths: tuple[int, ...]
     segment_size: int
+    parity: int = 1
+    ec_type: str = ""
 
     @property
     def members(self) -> int:
         return len(self.lengths)
 
     @property
+    def data(self) -> int:
+        """Segments per member (= data pieces per stripe): N - k."""
+        return self.members - self.parity
+
+    @property
     def parity_size(self) -> int:
-        """Bytes of parity each member stores."""
+        """Bytes of XOR parity each member stores (RS: see :func:`rs_piece_size`)."""
         return self.segment_size
 
     def _member(self, member: int, what: str = "member") -> int:
         if not 0 <= member < self.members:
-            raise ValueError(f"{what} {member} is not in this XOR group of {self.members} "
+            raise ValueError(f"{what} {member} is not in this parity group of {self.members} "
                              f"members (0..{self.members - 1})")
         return member
 
     def stripe_of(self, member: int, segment: int) -> int:
-        """The stripe (= the member storing its parity) that ``member``'s ``segment`` feeds."""
+        """The stripe that ``member``'s ``segment`` feeds (XOR: the member storing its parity)."""
         self._member(member)
-        if not 0 <= segment < self.members - 1:
-            raise ValueError(f"segment {segment}: a member of a {self.members}-member XOR group "
-                             f"has segments 0..{self.members - 2}")
+        if not 0 <= segment < self.data:
+            raise ValueError(f"segment {segment}: a member of a {self.members}-member group with "
+                             f"{self.parity} parity has segments 0..{self.data - 1}")
         return (member + 1 + segment) % self.members
 
     def segment_for(self, member: int, stripe: int) -> int:
-        """Which of ``member``'s segments feeds ``stripe`` (never its own stripe)."""
+        """Which of ``member``'s segments feeds ``stripe`` (never a stripe it holds parity of);
+        also its data position in the stripe."""
         self._member(member)
         self._member(stripe, "stripe")
-        if member == stripe:
-            raise ValueError(f"member {member} stores stripe {stripe}'s parity, so none of its "
+        s = (stripe - member - 1) % self.members
+        if s >= self.data:
+            raise ValueError(f"member {member} stores parity of stripe {stripe}, so none of its "
                              f"own segments feed it")
-        return (stripe - member - 1) % self.members
+        return s
+
+    def contributor_at(self, stripe: int, position: int) -> int:
+        """The member whose segment is data position ``position`` of ``stripe``."""
+        self._member(stripe, "stripe")
+        return (stripe - 1 - position) % self.members
+
+    def holders(self, stripe: int) -> tuple[int, ...]:
+        """The members storing parity piece 0..k-1 of ``stripe``."""
+        self._member(stripe, "stripe")
+        return tuple((stripe + q) % self.members for q in range(self.parity))
+
+    def held_stripes(self, member: int) -> tuple[int, ...]:
+        """The stripes whose parity piece q (q = 0..k-1, in order) ``member`` stores."""
+        self._member(member)
+        return tuple((member - q) % self.members for q in range(self.parity))
 
     def segment_range(self, member: int, stripe: int) -> tuple[int, int]:
         """Byte range [start, stop) of ``member``'s shard that feeds ``stripe``, clipped to the
@@ -195,18 +230,17 @@ class XorLayout:
 
     def contributors(self, stripe: int) -> tuple[int, ...]:
         """Members whose segment for ``stripe`` is not empty: what the holder must receive."""
-        self._member(stripe, "stripe")
         out = []
-        for i in range(self.members):
-            if i != stripe:
-                start, stop = self.segment_range(i, stripe)
-                if stop > start:
-                    out.append(i)
-        return tuple(out)
+        for p in range(self.data):
+            i = self.contributor_at(stripe, p)
+            start, stop = self.segment_range(i, stripe)
+            if stop > start:
+                out.append(i)
+        return tuple(sorted(out))
 
     def rebuild_needs(self, lost: int) -> dict[int, tuple[int, ...]]:
-        """For rebuilding ``lost``: stripe j -> the surviving members whose segment for j is
-        needed (along with parity_j, stored on member j). Stripes that carry nothing of the
+        """XOR: for rebuilding ``lost``, stripe j -> the surviving members whose segment for j
+        is needed (along with parity_j, stored on member j). Stripes that carry nothing of the
         lost member are left out."""
         self._member(lost)
         needs: dict[int, tuple[int, ...]] = {}
@@ -217,6 +251,9 @@ class XorLayout:
             if stop > start:
                 needs[j] = tuple(i for i in self.contributors(j) if i != lost)
         return needs
+
+
+XorLayout = StripeLayout  # the k = 1 case
 
 
 def xor_into(out: Buffer, data: Buffer) -> None:
@@ -244,8 +281,22 @@ def xor_layout(lengths: Sequence[int]) -> XorLayout:
     if len(lens) < 2:
         raise ConfigError(f"XOR parity group of {len(lens)} member(s): a group needs at least 2 "
                           f"members (one to lose, one to rebuild from); group more ranks")
+    return stripe_layout(lens, 1)
+
+
+def stripe_layout(lengths: Sequence[int], parity: int = 1, *, ec_type: str = "") -> StripeLayout:
+    """Plan a parity group of N = len(lengths) members surviving ``parity`` losses: segments of
+    the longest shard over N - parity, padded to :data:`SEGMENT_ALIGN`."""
+    lens = _check_lengths(lengths, "stripe_layout")
+    if parity < 1:
+        raise ConfigError(f"parity={parity}: must be >= 1 (the number of losses to survive)")
+    if len(lens) - parity < 1:
+        raise ConfigError(f"a parity group of {len(lens)} members cannot hold {parity} parity "
+                          f"pieces per stripe: it needs at least {parity + 1} members (more "
+                          f"members per group, or less parity)")
     longest = max(lens)
-    return XorLayout(lens, _align(-(-longest // (len(lens) - 1))) if longest else 0)
+    return StripeLayout(lens, _align(-(-longest // (len(lens) - parity))) if longest else 0,
+                        parity, ec_type)
 
 
 def xor_segment(layout: XorLayout, member: int, stripe: int, shard: Buffer) -> memoryview:
@@ -536,7 +587,6 @@ def rs_rebuild(layout: RsLayout, shards: Mapping[int, Buffer], parities: Collect
     if missing_crc:
         raise ValueError(f"no expected crc32c for lost member(s) {missing_crc}: rebuilt bytes "
                          f"are only returned once checked")
-    size = layout.fragment_size
     for i, s in shards.items():
         if len(_view(s)) != layout.lengths[i]:
             raise ValueError(f"member {i}'s shard is {len(_view(s))} bytes, the RS layout "
@@ -544,22 +594,143 @@ def rs_rebuild(layout: RsLayout, shards: Mapping[int, Buffer], parities: Collect
     for p in by_index.values():
         rs_verify(p, step=step)
     want = sorted(lost_set)
-    rebuilt: dict[int, bytes] = {}
-    if size == 0:
-        rebuilt = {i: b"" for i in want}
-    elif want:
-        first = by_index[min(by_index)]  # the loss check above guarantees one survived
-        header = len(first.fragment) - size
-        heads = first.headers
-        frags = [b"".join([heads[i * header:(i + 1) * header], *_padded(_view(s), size)])
-                 for i, s in sorted(shards.items())]
-        frags += [p.fragment for _, p in sorted(by_index.items())]
-        try:
-            got = _rs_driver(layout).reconstruct(frags, want)
-        except Exception as e:  # pyeclib's ECDriverError: no fitting aegis class to keep
-            raise AegisError(f"{_RS_PACKAGE} could not rebuild member(s) {want}: {e}") from e
-        for i, frag in zip(want, got, strict=True):
-            rebuilt[i] = bytes(memoryview(frag)[header:header + layout.lengths[i]])
+    rebuilt = _rs_reconstruct(layout, shards, by_index, want)
     for i in want:
         _check_rebuilt(rebuilt[i], i, expected_crc32c[i], step, "RS")
     return rebuilt
+
+
+def _rs_reconstruct(layout: RsLayout, shards: Mapping[int, Buffer], by_index: Mapping[int, RsParity],
+                    want: list[int]) -> dict[int, bytes]:
+    """The lost data members ``want`` from the surviving ``shards`` and parity fragments
+    (``by_index``, at least one, enough of them: the callers check). Unchecked bytes."""
+    size = layout.fragment_size
+    if size == 0:
+        return {i: b"" for i in want}
+    if not want:
+        return {}
+    first = by_index[min(by_index)]
+    header = len(first.fragment) - size
+    heads = first.headers
+    frags = [b"".join([heads[i * header:(i + 1) * header], *_padded(_view(s), size)])
+             for i, s in sorted(shards.items())]
+    frags += [p.fragment for _, p in sorted(by_index.items())]
+    try:
+        got = _rs_driver(layout).reconstruct(frags, want)
+    except Exception as e:  # pyeclib's ECDriverError: no fitting aegis class to keep
+        raise AegisError(f"{_RS_PACKAGE} could not rebuild member(s) {want}: {e}") from e
+    return {i: bytes(memoryview(frag)[header:header + layout.lengths[i]])
+            for i, frag in zip(want, got, strict=True)}
+
+
+# --------------------------------------------------------------------------------------------
+# Reed-Solomon over a stripe layout: what the snapshot engine stores (issue 16)
+#
+# A group of N members with k parity uses :class:`StripeLayout`'s stripes: stripe j's d = N-k
+# data pieces are its contributors' segments (data position p = the contributor's segment
+# index), zero-padded to the segment size S; RS over them gives k parity fragments, piece q
+# stored on holder ``holders(j)[q]``. A stored piece is liberasurecode's parity fragment
+# (header + S bytes) followed by the headers of the d data fragments (its decoder wants them
+# to accept the contributors' raw segments), so each member stores k * rs_piece_size bytes,
+# k/d of its shard: 1.5x for 4+2. Rebuild works a stripe at a time, from any d of its N pieces.
+
+
+def rs_stripe_layout(lengths: Sequence[int], parity: int, *,
+                     ec_type: str = RS_DEFAULT_EC_TYPE) -> StripeLayout:
+    """Plan RS parity over a group whose member i holds ``lengths[i]`` bytes: survives any
+    ``parity`` lost members (needs at least ``parity + 2`` members: d >= 2 data per stripe)."""
+    if len(lengths) < parity + 2:
+        raise ConfigError(f"RS group of {len(lengths)} members with {parity} parity: needs at "
+                          f"least {parity + 2} members (2 data pieces per stripe); group more "
+                          f"nodes, lower the parity, or use XOR / replicas")
+    return stripe_layout(lengths, parity, ec_type=ec_type)
+
+
+def _stripe_rs(layout: StripeLayout) -> RsLayout:
+    return RsLayout((layout.segment_size,) * layout.data, layout.parity, layout.segment_size,
+                    layout.ec_type or RS_DEFAULT_EC_TYPE)
+
+
+def _rs_header(layout: StripeLayout) -> int:
+    """Bytes of liberasurecode's fragment header for this code (found once per process)."""
+    rs = _stripe_rs(layout)
+    key = ("header", rs.data, rs.parity, rs.ec_type)
+    cache = getattr(_local, "rs", None) or {}
+    if key not in cache:
+        frags = rs_encode([bytes(SEGMENT_ALIGN)] * rs.data, rs.parity, ec_type=rs.ec_type)
+        cache = getattr(_local, "rs", None) or {}
+        cache[key] = len(frags[0].fragment) - SEGMENT_ALIGN
+        _local.rs = cache
+    return int(cache[key])
+
+
+def rs_piece_size(layout: StripeLayout) -> int:
+    """Bytes of one stored RS parity piece: fragment header + segment + d data headers."""
+    if layout.segment_size == 0:
+        return 0
+    h = _rs_header(layout)
+    return h + layout.segment_size + layout.data * h
+
+
+def _pad(seg: Buffer, size: int) -> Buffer:
+    v = _view(seg)
+    if len(v) > size:
+        raise ValueError(f"segment of {len(v)} bytes is longer than the {size}-byte stripe")
+    return v if len(v) == size else b"".join(_padded(v, size))
+
+
+def rs_stripe_encode(layout: StripeLayout, stripe: int, segments: Sequence[Buffer]) -> list[bytes]:
+    """The k parity pieces of ``stripe``; ``segments[p]`` is data position p's segment (as cut
+    by ``segment_range``, possibly short or empty: zero-padded). Piece q is stored on
+    ``layout.holders(stripe)[q]``."""
+    layout._member(stripe, "stripe")
+    if len(segments) != layout.data:
+        raise ValueError(f"rs_stripe_encode of stripe {stripe}: {len(segments)} segments, the "
+                         f"layout has {layout.data} data positions")
+    size = layout.segment_size
+    if size == 0:
+        return [b""] * layout.parity
+    rs = _stripe_rs(layout)
+    parities = rs_encode([_pad(s, size) for s in segments], rs.parity, ec_type=rs.ec_type)
+    pieces = [p.fragment + p.headers for p in parities]
+    if any(len(p) != rs_piece_size(layout) for p in pieces):
+        raise AegisError(f"{_RS_PACKAGE} fragment headers changed size within one process")
+    return pieces
+
+
+def rs_stripe_decode(layout: StripeLayout, stripe: int, pieces: Mapping[int, Buffer],
+                     want: Collection[int]) -> dict[int, bytes]:
+    """Rebuild the data positions ``want`` of ``stripe`` from surviving pieces: ``pieces`` maps
+    data position p (0..d-1, a contributor's segment, possibly short: zero-padded) or
+    d + q (parity piece q, as stored) to its bytes. Returns position -> the padded segment.
+
+    The bytes are unchecked here (a stripe has no checksum of its own): the caller checks
+    them against the shard's chunk crc32c before use. Raises :class:`UnrecoverableLossError`
+    when fewer than d pieces survive besides ``want``.
+    """
+    d, k, size = layout.data, layout.parity, layout.segment_size
+    want = sorted(set(want))
+    if any(not 0 <= p < d for p in want):
+        raise ValueError(f"positions {want}: only data positions 0..{d - 1} are rebuilt")
+    data = {p: _pad(b, size) for p, b in pieces.items() if p < d and p not in want}
+    par = {p - d: _view(b) for p, b in pieces.items() if d <= p < d + k}
+    gone = [p for p in range(d) if p not in data]
+    if len(gone) + (k - len(par)) > k:
+        raise UnrecoverableLossError(
+            f"stripe {stripe} of a {layout.members}-member RS group ({d}+{k}) has "
+            f"{len(data) + len(par)} of its {d + k} pieces: it needs {d} to rebuild; restore "
+            f"from the durable tier", lost=[*gone, *(f"parity {q}" for q in range(k) if q not in par)],
+            coverable=k)
+    if size == 0 or not want:
+        return {p: bytes(size) for p in want}
+    rs = _stripe_rs(layout)
+    piece = rs_piece_size(layout)
+    h = (piece - size) // (d + 1)  # piece = h + S + d * h
+    parities = {}
+    for q, v in par.items():
+        if len(v) != piece:
+            raise ValueError(f"RS parity piece {q} of stripe {stripe} is {len(v)} bytes, "
+                             f"expected {piece}: it is from another snapshot or damaged")
+        frag, heads = bytes(v[:h + size]), bytes(v[h + size:])
+        parities[q] = RsParity(rs, q, frag, heads, _crc(heads, _crc(frag)))
+    return _rs_reconstruct(rs, data, parities, want)

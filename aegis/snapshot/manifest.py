@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from aegis.errors import IncompatibleSnapshotError, ManifestError
-from aegis.snapshot.erasure import xor_layout
+from aegis.snapshot.erasure import StripeLayout, stripe_layout
 
 __all__ = [
     "FORMAT_VERSION",
@@ -56,7 +56,7 @@ __all__ = [
 FORMAT_VERSION = 3  # 2: manifest checksum, per-rank state kinds; 3: parity groups
 # Manifests without parity groups are still written as format 2, so an older aegis reads them.
 _PLAIN_FORMAT_VERSION = 2
-REDUNDANCY_SCHEMES = ("xor",)
+REDUNDANCY_SCHEMES = ("xor", "rs")
 SHARD_FORMAT_VERSION = 1  # the shard index's own format (unchanged by 2)
 
 # How an entry of the training state is stored (``Manifest.state_kinds``):
@@ -188,13 +188,19 @@ class BytesEntry:
 
 @dataclass(frozen=True)
 class ParityGroup:
-    """One XOR parity group of a snapshot: ``members[i]`` is the rank of member i, which
-    stores the parity of stripe i (``segment_size`` bytes, crc32c ``parity_crc32c[i]``) in its
-    node store. The layout follows from the members' shard sizes (``erasure.xor_layout``)."""
+    """One parity group of a snapshot: ``members[i]`` is the rank of member i, which stores
+    its parity file (``parity_size`` bytes, crc32c ``parity_crc32c[i]``) in its node store:
+    XOR, the parity of stripe i (``segment_size`` bytes); RS, its k parity pieces. The stripe
+    layout follows from the members' shard sizes (``erasure.stripe_layout``)."""
 
     members: tuple[int, ...]
     segment_size: int
     parity_crc32c: tuple[int, ...]
+    parity_size: int = -1  # bytes of each member's parity file; -1: segment_size (XOR)
+
+    @property
+    def stored(self) -> int:
+        return self.segment_size if self.parity_size < 0 else self.parity_size
 
 
 @dataclass(frozen=True)
@@ -203,6 +209,12 @@ class Redundancy:
 
     scheme: str
     groups: tuple[ParityGroup, ...]
+    parity: int = 1  # losses per group it rebuilds (XOR: 1; RS: k)
+    ec_type: str = ""  # RS: the liberasurecode backend that encoded the parity
+
+    def layout(self, group: ParityGroup, sizes: Sequence[int]) -> StripeLayout:
+        """The stripe layout of ``group`` whose members' shards have ``sizes`` bytes."""
+        return stripe_layout(sizes, self.parity, ec_type=self.ec_type)
 
     def group_of(self, rank: int) -> ParityGroup | None:
         for g in self.groups:
@@ -322,11 +334,14 @@ class Manifest:
             "state_kinds": dict(self.state_kinds),
         }
         if self.redundancy is not None:
+            red = self.redundancy
             doc["redundancy"] = {
-                "scheme": self.redundancy.scheme,
+                "scheme": red.scheme,
                 "groups": [{"members": list(g.members), "segment_size": g.segment_size,
-                            "parity_crc32c": list(g.parity_crc32c)} for g in self.redundancy.groups],
-            }
+                            "parity_crc32c": list(g.parity_crc32c)}
+                           | ({"parity_size": g.parity_size} if g.parity_size >= 0 else {})
+                           for g in red.groups],
+            } | ({"parity": red.parity, "ec_type": red.ec_type} if red.scheme == "rs" else {})
         doc["checksum"] = body_checksum(doc)
         return json.dumps(doc, separators=(",", ":"), sort_keys=True)
 
@@ -457,31 +472,45 @@ def _redundancy_from_doc(p: _Parser, doc: Any, shards: Sequence[ShardRecord]) ->
     group at most, and the segment size the one its members' shard sizes give (so a damaged
     record cannot make a rebuild read the wrong bytes)."""
     d = p.obj(doc, "redundancy")
-    p.fields(d, "redundancy", required={"scheme", "groups"}, optional=set())
+    p.fields(d, "redundancy", required={"scheme", "groups"}, optional={"parity", "ec_type"})
     scheme = p.str_(d["scheme"], "redundancy.scheme")
     if scheme not in REDUNDANCY_SCHEMES:
         raise p.fail(f"redundancy.scheme {scheme!r} is not one of {REDUNDANCY_SCHEMES}")
+    rs = scheme == "rs"
+    p.fields(d, "redundancy", required={"scheme", "groups"} | ({"parity", "ec_type"} if rs else set()),
+             optional=set())
+    parity = p.int_(d["parity"], "redundancy.parity") if rs else 1
+    ec_type = p.str_(d["ec_type"], "redundancy.ec_type") if rs else ""
+    if parity < 1 or (rs and not ec_type):
+        raise p.fail(f"redundancy: parity {parity} must be >= 1 and RS needs its ec_type")
     sizes = {s.rank: s.size for s in shards}
     seen: set[int] = set()
     groups = []
     for i, g in enumerate(p.list_(d["groups"], "redundancy.groups")):
         what = f"redundancy.groups[{i}]"
         gd = p.obj(g, what)
-        p.fields(gd, what, required={"members", "segment_size", "parity_crc32c"}, optional=set())
+        p.fields(gd, what, required={"members", "segment_size", "parity_crc32c"}
+                 | ({"parity_size"} if rs else set()), optional=set())
         members = p.ints(gd["members"], f"{what}.members")
         crcs = p.ints(gd["parity_crc32c"], f"{what}.parity_crc32c")
         seg = p.int_(gd["segment_size"], f"{what}.segment_size")
-        if len(members) < 2 or len(crcs) != len(members) or any(c > 0xFFFFFFFF for c in crcs):
-            raise p.fail(f"{what}: needs >= 2 members and one 32-bit parity crc32c per member")
+        if len(members) < parity + 1 or len(crcs) != len(members) or any(c > 0xFFFFFFFF for c in crcs):
+            raise p.fail(f"{what}: needs >= {parity + 1} members and one 32-bit parity crc32c per member")
         bad = [m for m in members if m not in sizes or m in seen]
         if bad or len(set(members)) != len(members):
             raise p.fail(f"{what}: member(s) {bad or list(members)} are not distinct ranks of this "
                          "snapshot outside every other group")
         seen.update(members)
-        if xor_layout([sizes[m] for m in members]).segment_size != seg:
+        if stripe_layout([sizes[m] for m in members], parity).segment_size != seg:
             raise p.fail(f"{what}: segment_size {seg} does not match its members' shard sizes")
-        groups.append(ParityGroup(members, seg, crcs))
-    return Redundancy(scheme, tuple(groups))
+        psize = -1
+        if rs:
+            psize = p.int_(gd["parity_size"], f"{what}.parity_size")
+            if psize % parity or (seg and psize // parity <= seg) or (not seg and psize):
+                raise p.fail(f"{what}: parity_size {psize} is not {parity} pieces of more than "
+                             f"the {seg}-byte segment")
+        groups.append(ParityGroup(members, seg, crcs, psize))
+    return Redundancy(scheme, tuple(groups), parity, ec_type)
 
 
 def body_checksum(doc: Mapping[str, Any]) -> str:

@@ -4,6 +4,7 @@ Layout under ``<root>/<job>/``::
 
     step-00000012/rank-00000.shard     this node's shards (own and replicas) of step 12
     step-00000012/parity-00000.xor     XOR parity of rank 0's stripe (parity groups, issue 16)
+    step-00000012/parity-00000.rs      or rank 0's Reed-Solomon parity pieces
     step-00000012/manifest.json        written last: the step is committed on this node
     .slots/rank-00000.1                free, pre-faulted slot files kept for reuse
 
@@ -51,7 +52,7 @@ __all__ = ["NodeStore", "Slot", "StepInfo", "default_store_root"]
 # Unicode digit, "step-٠٠٠٠٠٠٠٧" too), matched in full (``$`` would allow a trailing newline).
 _STEP_RE = re.compile(r"step-([0-9]{8})")
 _SHARD_RE = re.compile(r"rank-([0-9]{5})\.shard")
-_PARITY_RE = re.compile(r"parity-([0-9]{5})\.xor")
+_PARITY_RE = re.compile(r"parity-([0-9]{5})\.(?:xor|rs)")
 MANIFEST = "manifest.json"
 
 
@@ -120,9 +121,10 @@ class NodeStore:
         """Some chunks of a shard, fetched for one restore; never counted as a shard."""
         return self.step_dir(step) / f".partial-rank-{rank:05d}"
 
-    def parity_path(self, step: int, rank: int) -> Path:
-        """The XOR parity of the stripe of ``rank`` (a member of a parity group), on its node."""
-        return self.step_dir(step) / f"parity-{rank:05d}.xor"
+    def parity_path(self, step: int, rank: int, scheme: str = "xor") -> Path:
+        """The parity file of ``rank`` (a member of a parity group), on its node: XOR, the
+        parity of its stripe; RS (``scheme="rs"``), its parity pieces."""
+        return self.step_dir(step) / f"parity-{rank:05d}.{scheme}"
 
     def manifest_path(self, step: int) -> Path:
         return self.step_dir(step) / MANIFEST
@@ -271,19 +273,20 @@ class NodeStore:
                 m.close()
             check_index_matches(index, record, step=step, where=where)
 
-    def verify_parity(self, step: int, rank: int, size: int, crc: int) -> None:
-        """Check the parity file of ``rank``'s stripe against its size and crc32c (manifest)."""
-        path = self.parity_path(step, rank)
+    def verify_parity(self, step: int, rank: int, size: int, crc: int, scheme: str = "xor") -> None:
+        """Check the parity file of ``rank`` against its size and crc32c (manifest)."""
+        path = self.parity_path(step, rank, scheme)
         where = f"node store {self.dir}"
+        what = f"{scheme.upper()} parity of rank {rank} at step {step}"
         try:
             data = path.read_bytes()
         except FileNotFoundError as e:
-            raise CorruptShardError(f"XOR parity of rank {rank} at step {step} is missing from {where}",
+            raise CorruptShardError(f"{what} is missing from {where}",
                                     step=step, rank=rank, where=where) from e
         got = int(crc32c.crc32c(data))
         if len(data) != size or got != crc:
             raise CorruptShardError(
-                f"XOR parity of rank {rank} at step {step} in {where} has {len(data)} bytes and "
+                f"{what} in {where} has {len(data)} bytes and "
                 f"crc32c {got:#010x}, the manifest says {size} bytes and {crc:#010x}: it is corrupt "
                 "and cannot rebuild a lost shard", step=step, rank=rank, where=where)
 

@@ -29,12 +29,16 @@ class ManagerConfig:
     keep: committed snapshots kept in memory per node (plus one in flight).
     replicas: copies of each shard pushed to other nodes (ring placement, other failure domains
         first); 1 survives any single node loss. Capped at (nodes - 1).
-    redundancy: ``"replica"`` (whole copies, ``replicas`` of them) or ``"xor"``: XOR parity over
+    redundancy: ``"replica"`` (whole copies, ``replicas`` of them), ``"xor"``: XOR parity over
         groups of ``group_size`` nodes (one rank per node per group, failure domains spread),
         surviving one lost node per group at 1 + 1/(group_size - 1) of the state in memory
-        instead of 2x; ``replicas`` is then unused.
-    group_size: with ``redundancy="xor"``: nodes per parity group (>= 2; groups of group_size
-        to 2 * group_size - 1 members are formed when the nodes do not divide evenly).
+        instead of 2x, or ``"rs"``: Reed-Solomon parity (pyeclib), surviving ``parity`` lost
+        nodes per group at 1 + parity/(group_size - parity) (4+2: 1.5x instead of 3x);
+        ``replicas`` is then unused.
+    group_size: with ``redundancy="xor"`` or ``"rs"``: nodes per parity group (>= 2; groups of
+        group_size to 2 * group_size - 1 members are formed when the nodes do not divide evenly).
+    parity: with ``redundancy="rs"``: lost nodes per group it rebuilds (>= 1; group_size must
+        be at least parity + 2).
     store_dir: node store root (a tmpfs); default ``$AEGIS_STORE_DIR`` or ``/dev/shm/aegis``.
     timeout: bound on every snapshot collective; a peer silent for longer is declared gone.
     chunk_bytes: checksum/compression unit of a shard.
@@ -70,6 +74,7 @@ class ManagerConfig:
     replicas: int = 1
     redundancy: str = "replica"
     group_size: int = 5
+    parity: int = 2
     store_dir: str | os.PathLike[str] | None = None
     timeout: timedelta = timedelta(minutes=5)
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
@@ -114,12 +119,19 @@ class ManagerConfig:
             raise ConfigError(
                 f"replicas={self.replicas!r}: must be an integer >= 0 (copies on other nodes)"
             )
-        if self.redundancy not in ("replica", "xor"):
-            raise ConfigError(f"redundancy={self.redundancy!r}: use 'replica' (whole copies) or "
-                              "'xor' (parity groups)")
+        if self.redundancy not in ("replica", "xor", "rs"):
+            raise ConfigError(f"redundancy={self.redundancy!r}: use 'replica' (whole copies), "
+                              "'xor' (XOR parity groups) or 'rs' (Reed-Solomon parity groups)")
         if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 2:
             raise ConfigError(f"group_size={self.group_size!r}: must be an integer >= 2 (nodes per "
                               "parity group)")
+        if isinstance(self.parity, bool) or not isinstance(self.parity, int) or self.parity < 1:
+            raise ConfigError(f"parity={self.parity!r}: must be an integer >= 1 (lost nodes per "
+                              "group that Reed-Solomon parity rebuilds)")
+        if self.redundancy == "rs" and self.group_size < self.parity + 2:
+            raise ConfigError(f"group_size={self.group_size} with parity={self.parity}: a "
+                              f"Reed-Solomon group needs at least parity + 2 = {self.parity + 2} "
+                              "nodes (2 data pieces per stripe); raise group_size or lower parity")
         if not isinstance(self.timeout, timedelta) or self.timeout.total_seconds() <= 0:
             raise ConfigError(f"timeout={self.timeout!r}: must be a positive datetime.timedelta")
         if (

@@ -86,6 +86,7 @@ class Manager:
         replicas: int = 1,
         redundancy: str = "replica",
         group_size: int = 5,
+        parity: int = 2,
         store_dir: str | None = None,
         timeout: timedelta = timedelta(minutes=5),
         chunk_bytes: int | None = None,
@@ -104,7 +105,7 @@ class Manager:
         extra: dict[str, Any] = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
         self.config = ManagerConfig(
             job=job, every=every, keep=keep, replicas=replicas, redundancy=redundancy,
-            group_size=group_size, store_dir=store_dir, timeout=timeout,
+            group_size=group_size, parity=parity, store_dir=store_dir, timeout=timeout,
             events_dir=events_dir, rng=rng, verbose=verbose, debug=debug, fresh=fresh, mtbf_s=mtbf_s,
             every_max=every_max,
             **extra, **durable,
@@ -150,6 +151,7 @@ class Manager:
             replicas=self.config.replicas,
             redundancy=self.config.redundancy,
             group_size=self.config.group_size,
+            parity=self.config.parity,
             transport=self.transport,
             on_result=self._on_snapshot,
             mesh={"world_size": self.world},
@@ -188,8 +190,16 @@ class Manager:
         self._closed = False
         self.events.emit("start", node=self.node, world_size=self.world, pid=os.getpid(),
                          replicas=self.engine.placement.effective_replicas,
-                         replica_targets=self.engine.targets, redundancy=self.config.redundancy,
-                         parity_group=list(self.engine.group_of))
+                         replica_targets=self.engine.targets, redundancy=self.engine.scheme,
+                         parity_group=list(self.engine.group_of),
+                         parity=self.engine.parity if self.engine.groups else None)
+        if self.engine.groups and self.config.redundancy == "rs" and self.engine.parity < self.config.parity:
+            smallest = min(len(g) for g in self.engine.groups)
+            now = ("XOR parity (RS needs 3)" if self.engine.scheme == "xor"
+                   else f"Reed-Solomon parity {self.engine.parity} (RS needs parity + 2)")
+            self.events.warn(f"snapshots survive {self.engine.parity} lost node(s) per group, not "
+                             f"{self.config.parity}: the smallest parity group of this world has "
+                             f"{smallest} node(s), so they use {now}")
 
     # -- state ---------------------------------------------------------------------------------
 

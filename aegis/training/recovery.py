@@ -42,7 +42,7 @@ from aegis.errors import (
 )
 from aegis.snapshot.dcp_io import SafeLoadPlanner, ShardReader
 from aegis.snapshot.durable import fetch_chunks, list_steps, read_manifest
-from aegis.snapshot.erasure import xor_into, xor_layout
+from aegis.snapshot.erasure import StripeLayout, rs_piece_size, rs_stripe_decode, xor_into
 from aegis.snapshot.manifest import ChunkRecord, Manifest, Redundancy
 from aegis.snapshot.node_store import NodeStore, Slot
 from aegis.snapshot.objstore import ObjectStore
@@ -116,12 +116,13 @@ def _rebuild_blocker(red: Redundancy | None, shard: int, held: set[int], parity_
     if group is None:
         return "no parity group covers it"
     lost = [m for m in group.members if m not in held]
-    if len(lost) > 1:
-        return (f"its XOR parity group (ranks {list(group.members)}) lost the shards of ranks {lost}; "
-                "XOR parity rebuilds one lost member per group")
-    gone = [m for m in group.members if m != shard and m not in parity_held]
-    if gone:
-        return (f"its XOR parity group (ranks {list(group.members)}) lost the parity of rank(s) "
+    k, code = red.parity, red.scheme.upper()  # type: ignore[union-attr]
+    if len(lost) > k:
+        return (f"its {code} parity group (ranks {list(group.members)}) lost the shards of ranks {lost}; "
+                f"{code} parity rebuilds {'one lost member' if k == 1 else f'{k} lost members'} per group")
+    gone = [m for m in group.members if m not in lost and m not in parity_held]
+    if len(lost) + len(gone) > k:
+        return (f"its {code} parity group (ranks {list(group.members)}) lost the parity of rank(s) "
                 f"{gone} as well")
     return None
 
@@ -654,18 +655,22 @@ def _run_rebuilds(
     holders: Callable[[int], list[str]],
     parity_holders: Callable[[int], list[str]],
 ) -> list[tuple[int, str, str, str | None, int, float, bool]]:
-    """Rebuild lost shards from their XOR parity groups (collective, like a transfer round).
+    """Rebuild lost shards from their parity groups (collective, like a transfer round).
 
-    For each job (shard ``s`` for node ``dst``, the chunks its DCP plan reads), only the byte
-    runs of those chunks plus the shard's index are rebuilt: each run is cut at the group's
-    segment boundaries, and for each piece the receiving rank gets the parity of the stripe the
-    piece belongs to and the same bytes of every surviving contributor (read locally when its
-    node holds them), XORs them into a sparse partial file, then checks every rebuilt chunk's
-    crc32c and the index against the manifest before the file may be loaded. The parity files
-    used are first checked against their recorded crc32c by the ranks that hold them."""
+    For each job (shard ``s`` for node ``dst``, the chunks its DCP plan reads), only what
+    covers the byte runs of those chunks plus the shard's index is rebuilt. XOR: each run is
+    cut at the group's segment boundaries, and for each piece the receiving rank gets the
+    parity of the stripe the piece belongs to and the same bytes of every surviving
+    contributor (read locally when its node holds them) and XORs them into a sparse partial
+    file. RS: each segment the runs touch is decoded from d surviving pieces of its stripe
+    (the other contributors' segments first, then parity pieces). Every rebuilt chunk's
+    crc32c and the index are then checked against the manifest before the file may be
+    loaded. The parity files used are first checked against their recorded crc32c by the
+    ranks that hold them."""
     step = manifest.step
     red = manifest.redundancy
     assert red is not None
+    scheme = red.scheme
     me = group.rank
     t0 = time.perf_counter()
     files: dict[tuple[str, int], torch.Tensor | None] = {}
@@ -673,7 +678,7 @@ def _run_rebuilds(
 
     def local(kind: str, r: int) -> torch.Tensor | None:
         if (kind, r) not in files:
-            path = store.shard_path(step, r) if kind == "shard" else store.parity_path(step, r)
+            path = store.shard_path(step, r) if kind == "shard" else store.parity_path(step, r, scheme)
             files[(kind, r)], m = _map_local(path)
             if m is not None:
                 opened.append(m)
@@ -683,23 +688,29 @@ def _run_rebuilds(
         nodes = holders(r) if kind == "shard" else parity_holders(r)
         return dst if dst in nodes else nodes[0]
 
-    # 1. the parity files every job needs, checked where they are held
+    def lost(g: Any) -> set[int]:  # member indices whose shard no node holds
+        return {i for i, m in enumerate(g.members) if not holders(m)}
+
+    # 1. what each job reads: (kind, member index, lo, hi) per piece, per rebuilt range
     plans = []
     for s, _, dst, ids in jobs:
         g = red.group_of(s)
         assert g is not None
-        layout = xor_layout([manifest.shard(m).size for m in g.members])
+        layout = red.layout(g, [manifest.shard(m).size for m in g.members])
         x = g.members.index(s)
         rec = manifest.shard(s)
         wanted = set(range(len(rec.chunks))) if ids is None else ids
-        plans.append((s, dst, wanted, g, layout, x, _runs(list(rec.chunks), wanted, size=rec.size)))
-    checks = sorted({(g.members[j], source("parity", g.members[j], dst), g.segment_size, g.parity_crc32c[j])
-                     for _, dst, _, g, layout, x, _ in plans for j in layout.rebuild_needs(x)})
+        runs = _runs(list(rec.chunks), wanted, size=rec.size)
+        ranges = _rs_ranges(layout, x, runs, lost(g)) if scheme == "rs" else _xor_ranges(layout, x, runs)
+        plans.append((s, dst, wanted, g, layout, ranges))
+    checks = sorted({(g.members[i], source("parity", g.members[i], dst), g.stored, g.parity_crc32c[i])
+                     for _, dst, _, g, _, ranges in plans for _, parts in ranges
+                     for kind, i, _, _ in parts if kind == "parity"})
     mine = []
     for r, n, size, crc in checks:
         if worker(n, r) == me:
             try:
-                store.verify_parity(step, r, size, crc)
+                store.verify_parity(step, r, size, crc, scheme)
             except CorruptShardError as e:
                 mine.append(f"{n}: {e}")
     bad_parity = [x for xs in group.all_gather(mine, "rebuild parity check") for x in xs]
@@ -707,51 +718,41 @@ def _run_rebuilds(
     sends: list[Send] = []
     recvs: list[Recv] = []
     todo: dict[tuple[int, str], tuple[list[tuple[int, list[torch.Tensor]]], int]] = {}
-    for s, dst, _wanted, g, layout, x, runs in plans:
+    for s, dst, _wanted, g, _layout, ranges in plans:
         if bad_parity:
             continue
         receiver = worker(dst, s)
-        seg_size = layout.segment_size
         pieces: list[tuple[int, list[torch.Tensor]]] = []
         nbytes = 0
-        for a, b in runs:
-            pos = a
-            while pos < b:
-                seg = pos // seg_size
-                end = min(b, (seg + 1) * seg_size)
-                off, length = pos - seg * seg_size, end - pos
-                j = layout.stripe_of(x, seg)
-                parts = [("parity", g.members[j], off, off + length)]
-                for i in layout.contributors(j):
-                    if i != x:
-                        start = layout.segment_for(i, j) * seg_size + off
-                        lo, hi = min(start, layout.lengths[i]), min(start + length, layout.lengths[i])
-                        if hi > lo:
-                            parts.append(("shard", g.members[i], lo, hi))
-                bufs: list[torch.Tensor] = []
-                for kind, r, lo, hi in parts:
-                    src = source(kind, r, dst)
-                    if src == dst:
-                        if receiver == me:
-                            data = local(kind, r)
-                            bufs.append(data[lo:hi] if data is not None and data.numel() >= hi
-                                        else torch.zeros(hi - lo, dtype=torch.uint8))
-                        continue
-                    sender = worker(src, r)
-                    if sender == me:
-                        data = local(kind, r)
-                        # a missing or short file still sends as many bytes (zeros): the
-                        # receiver's crc32c checks reject them instead of waiting out a timeout
-                        sends.append(Send(receiver, [data[lo:hi] if data is not None and data.numel() >= hi
-                                                     else torch.zeros(hi - lo, dtype=torch.uint8)]))
+        for pos, parts in ranges:
+            bufs: list[torch.Tensor] = []
+            for kind, i, lo, hi in parts:
+                r = g.members[i]
+                if hi == lo:  # an empty segment (a short shard): zeros, from nobody
                     if receiver == me:
-                        buf = torch.empty(hi - lo, dtype=torch.uint8)
-                        recvs.append(Recv(sender, _fixed(buf)))
-                        bufs.append(buf)
-                        nbytes += hi - lo
+                        bufs.append(torch.zeros(0, dtype=torch.uint8))
+                    continue
+                src = source(kind, r, dst)
+                if src == dst:
+                    if receiver == me:
+                        data = local(kind, r)
+                        bufs.append(data[lo:hi] if data is not None and data.numel() >= hi
+                                    else torch.zeros(hi - lo, dtype=torch.uint8))
+                    continue
+                sender = worker(src, r)
+                if sender == me:
+                    data = local(kind, r)
+                    # a missing or short file still sends as many bytes (zeros): the
+                    # receiver's crc32c checks reject them instead of waiting out a timeout
+                    sends.append(Send(receiver, [data[lo:hi] if data is not None and data.numel() >= hi
+                                                 else torch.zeros(hi - lo, dtype=torch.uint8)]))
                 if receiver == me:
-                    pieces.append((pos, bufs))
-                pos = end
+                    buf = torch.empty(hi - lo, dtype=torch.uint8)
+                    recvs.append(Recv(sender, _fixed(buf)))
+                    bufs.append(buf)
+                    nbytes += hi - lo
+            if receiver == me:
+                pieces.append((pos, bufs))
         if receiver == me:
             todo[(s, dst)] = (pieces, nbytes)
     try:
@@ -767,15 +768,70 @@ def _run_rebuilds(
                 m.close()
 
 
+_Part = tuple[str, int, int, int]  # ("shard" | "parity", member index, lo, hi) of a file
+
+
+def _xor_ranges(layout: StripeLayout, x: int, runs: list[tuple[int, int]]
+                ) -> list[tuple[int, list[_Part]]]:
+    """XOR: the runs of member ``x``'s shard cut at segment boundaries; each piece at ``pos``
+    is the XOR of its stripe's parity bytes and the same bytes of every other contributor."""
+    out: list[tuple[int, list[_Part]]] = []
+    seg_size = layout.segment_size
+    for a, b in runs:
+        pos = a
+        while pos < b:
+            seg = pos // seg_size
+            end = min(b, (seg + 1) * seg_size)
+            off, length = pos - seg * seg_size, end - pos
+            j = layout.stripe_of(x, seg)
+            parts: list[_Part] = [("parity", j, off, off + length)]
+            for i in layout.contributors(j):
+                if i != x:
+                    start = layout.segment_for(i, j) * seg_size + off
+                    lo, hi = min(start, layout.lengths[i]), min(start + length, layout.lengths[i])
+                    if hi > lo:
+                        parts.append(("shard", i, lo, hi))
+            out.append((pos, parts))
+            pos = end
+    return out
+
+
+def _rs_ranges(layout: StripeLayout, x: int, runs: list[tuple[int, int]], lost: set[int]
+               ) -> list[tuple[int, list[_Part]]]:
+    """RS: every segment of member ``x`` the runs touch, each read from d surviving pieces of
+    its stripe, listed as data positions 0..d-1 then parity pieces (the decoder's order):
+    the contributors that survive (an empty segment needs no bytes) first, then parity."""
+    seg_size, d = layout.segment_size, layout.data
+    piece = rs_piece_size(layout)
+    segs = sorted({p // seg_size for a, b in runs for p in range(a - a % seg_size, b, seg_size)})
+    out: list[tuple[int, list[_Part]]] = []
+    for seg in segs:
+        j = layout.stripe_of(x, seg)
+        parts: list[_Part] = []
+        for p in range(d):
+            i = layout.contributor_at(j, p)
+            lo, hi = layout.segment_range(i, j)
+            if i != x and (i not in lost or hi == lo):
+                parts.append(("shard", i, lo, hi))
+        for q, h in enumerate(layout.holders(j)):
+            if len(parts) < d and h not in lost:
+                parts.append(("parity", h, q * piece, (q + 1) * piece))
+        out.append((seg * seg_size, parts))
+    return out
+
+
 def _fold_rebuilds(store: NodeStore, manifest: Manifest, plans: list[Any],
                    todo: dict[tuple[int, str], tuple[list[tuple[int, list[torch.Tensor]]], int]],
                    bad_parity: list[str], worker: Callable[[str, int], int], me: int, secs: float
                    ) -> list[tuple[int, str, str, str | None, int, float, bool]]:
-    """The receiving side of :func:`_run_rebuilds`: XOR the pieces into a sparse partial file
-    and check every rebuilt chunk and the index against the manifest."""
+    """The receiving side of :func:`_run_rebuilds`: XOR the pieces (or RS-decode each
+    segment) into a sparse partial file and check every rebuilt chunk and the index against
+    the manifest."""
     step = manifest.step
+    red = manifest.redundancy
+    assert red is not None
     results: list[tuple[int, str, str, str | None, int, float, bool]] = []
-    for s, dst, wanted, g, _layout, _x, _spans in plans:
+    for s, dst, wanted, g, layout, ranges in plans:
         if bad_parity:
             if worker(dst, s) == me:
                 results.append((s, REBUILD, dst, "parity unusable: " + "; ".join(bad_parity), 0, 0.0, True))
@@ -787,6 +843,7 @@ def _fold_rebuilds(store: NodeStore, manifest: Manifest, plans: list[Any],
         path = store.partial_path(step, s)
         err = None
         slot: Slot | None = None
+        code = red.scheme.upper()
         try:  # every failure is a result, never raised on this rank alone (peers wait for it)
             store.step_dir(step).mkdir(mode=0o700, parents=True, exist_ok=True)
             with contextlib.suppress(FileNotFoundError):
@@ -794,15 +851,26 @@ def _fold_rebuilds(store: NodeStore, manifest: Manifest, plans: list[Any],
             slot = Slot(path)
             slot.ensure(rec.size, prefault=False)
             with slot.memory as mem:
-                for pos, bufs in pieces:
-                    for buf in bufs:
-                        xor_into(mem[pos:pos + buf.numel()], memoryview(buf.numpy()))  # type: ignore[arg-type]
+                x = g.members.index(s)
+                for (pos, bufs), (_, parts) in zip(pieces, ranges, strict=True):
+                    views = [memoryview(b.numpy()) for b in bufs]  # type: ignore[arg-type]
+                    if red.scheme == "xor":
+                        for v in views:
+                            xor_into(mem[pos:pos + len(v)], v)  # type: ignore[arg-type]
+                        continue
+                    j = layout.stripe_of(x, pos // layout.segment_size)
+                    have = {(layout.segment_for(i, j) if kind == "shard" else layout.data + (i - j) % layout.members): v
+                            for (kind, i, _, _), v in zip(parts, views, strict=True)}
+                    want = layout.segment_for(x, j)
+                    seg = rs_stripe_decode(layout, j, have, [want])[want]
+                    n = min(len(seg), rec.size - pos)
+                    mem[pos:pos + n] = seg[:n]
                 _check_partial(mem, rec, step, wanted,
-                               f"XOR rebuild from parity group {list(g.members)}")
+                               f"{code} rebuild from parity group {list(g.members)}")
         except CorruptShardError as e:
             err = str(e)
         except Exception as e:  # noqa: BLE001 - e.g. a full tmpfs: the next source is tried
-            err = f"XOR rebuild on node {dst!r}: {type(e).__name__}: {e}"
+            err = f"{code} rebuild on node {dst!r}: {type(e).__name__}: {e}"
         finally:
             if slot is not None:
                 slot.close()

@@ -93,7 +93,7 @@ class Config:
     reference_steps: int = 60
     network: bool = True  # network namespaces, when the machine allows them
     in_process: bool = False  # aegis.run_in_process instead of torchrun restarts
-    redundancy: str = "replica"  # or "xor": one parity group over all nodes (issue 16)
+    redundancy: str = "replica"  # or "xor" / "rs": one parity group over all nodes (issue 16)
 
 
 @dataclass
@@ -210,7 +210,7 @@ class Campaign:
         c = self.cfg
         return [TRAINER, "--config", "tiny", "--steps", str(steps), "--dropout", "0.1",
                 "--job", job, "--every", "1", "--keep", "2",
-                *(["--redundancy", "xor", "--group-size", str(c.nodes)] if c.redundancy == "xor"
+                *(["--redundancy", c.redundancy, "--group-size", str(c.nodes)] if c.redundancy != "replica"
                   else ["--replicas", "1"]),
                 "--durable", f"s3://{BUCKET}/chaos", "--durable-every", str(c.durable_every),
                 "--durable-keep-last", str(c.durable_keep_last),
@@ -788,8 +788,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="write the summary JSON here")
     p.add_argument("--in-process", action="store_true",
                    help="the trainer recovers in place (aegis.run_in_process)")
-    p.add_argument("--redundancy", choices=("replica", "xor"), default="replica",
-                   help="memory redundancy: one replica per shard, or XOR parity over the nodes")
+    p.add_argument("--redundancy", choices=("replica", "xor", "rs"), default="replica",
+                   help="memory redundancy: one replica per shard, or XOR / Reed-Solomon (2 parity) "
+                        "parity over the nodes")
     a = p.parse_args(argv)
     kinds = tuple(k for k in a.kinds.split(",") if k)
     bad = set(kinds) - set(KINDS)
