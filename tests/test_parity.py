@@ -247,19 +247,25 @@ def test_bad_redundancy_settings_are_config_errors_before_any_process_group() ->
     assert ManagerConfig(job="j", redundancy="rs", group_size=6, parity=2).parity == 2
 
 
-def test_rs_a_node_lost_during_recovery_is_the_second_loss_it_covers(store_dir: Path) -> None:
-    """RS 3+2: node c is lost, and while the job restores (after the decision, before any
-    shard moves) node e's rank is SIGKILLed. The next restore, on two replacement nodes,
-    rebuilds both lost shards from the three survivors, bitwise."""
-    saved = run_ranks(5, _save, str(store_dir), RS)
+@pytest.mark.parametrize("scheme", ["xor", "rs"])
+def test_a_node_lost_during_recovery(scheme: str, store_dir: Path) -> None:
+    """Node c is lost; while the job restores (after the decision, before any shard moves) a
+    second rank is SIGKILLed: XOR, the replacement f itself (the group still lost one member),
+    RS 3+2, survivor e (the second loss its parity covers). The next restore, on fresh
+    replacement nodes, rebuilds every lost shard from the survivors, bitwise."""
+    red = RS if scheme == "rs" else XOR
+    saved = run_ranks(5, _save, str(store_dir), red)
     lose(store_dir, "c")
-    kw = {**RS, "timeout": timedelta(seconds=10)}
+    victim = 4 if scheme == "rs" else 2
     with pytest.raises(RuntimeError, match="died"):
-        run_ranks(5, _restore, str(store_dir), ["a", "b", "f", "d", "e"], 0, kw,
-                  env={"AEGIS_FAIL_AT": "4:3:restore"})
-    lose(store_dir, "e")
-    out = _restore_xor(5, store_dir, ["a", "b", "f", "d", "g"], RS)
+        run_ranks(5, _restore, str(store_dir), ["a", "b", "f", "d", "e"], 0,
+                  {**red, "timeout": timedelta(seconds=10)}, env={"AEGIS_FAIL_AT": f"{victim}:3:restore"})
+    lost = ["f", "e"] if scheme == "rs" else ["f"]
+    for node in lost:
+        lose(store_dir, node)
+    nodes = ["a", "b", "g", "d", "h" if scheme == "rs" else "e"]
+    out = _restore_xor(5, store_dir, nodes, red)
     assert [o["step"] for o in out] == [3] * 5, out
     assert_bitwise_equal(saved[0]["full"], out[0]["full"])
-    for r in (2, 4):
+    for r in (2, 4) if scheme == "rs" else (2,):
         assert {s["shard"]: s for s in out[r]["sources"]}[r]["tier"] == "rebuild", out[r]["sources"]
