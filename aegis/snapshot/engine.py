@@ -863,30 +863,39 @@ class SnapshotEngine:
                    pslot: Slot, result: SnapshotResult) -> int:
         """Reed-Solomon parity pieces (k of them) of the stripes this rank holds.
 
-        k rounds, one exchange each: in round q, member i sends its segment for each stripe t it
-        feeds to t's q-th holder (t + q), and receives, as holder q of stripe me - q, the d
-        contributors' segments, then encodes that stripe (pyeclib) and keeps piece q. Each
-        member sends k shards' worth in all (the RS price: k copies of its data leave it) and
-        holds d segments of scratch at a time."""
+        Two exchanges. First, member i sends its segment for each stripe t it feeds to t's first
+        holder (member t), and, as first holder of its own stripe, receives that stripe's d
+        segments (crc32c-checked), encodes them once (pyeclib) and keeps piece 0. Then it sends
+        piece q to the stripe's holder q (member i + q) and receives piece q of stripe i - q
+        from member i - q. Each member sends about one shard plus k-1 pieces, encodes one
+        stripe, and holds one shard of scratch."""
         members = self.group_of
         me, n, d, size = members.index(self.rank), len(members), layout.data, layout.segment_size
+        k = self.parity
         piece = rs_piece_size(layout)
-        pslot.ensure(max(self.parity * piece, 1))
+        pslot.ensure(max(k * piece, 1))
         pslot.move(self.store.parity_path(step, self.rank, "rs"))
         _fault.hit("encode", step, self.rank)
-        for q in range(self.parity):
-            j = (me - q) % n  # the stripe whose piece q this rank stores
-            dests = [((t + q) % n, cut(*layout.segment_range(me, t)))
-                     for t in ((me + 1 + s) % n for s in range(d))]
-            srcs = [layout.contributor_at(j, p) for p in range(d)]
-            (segs,) = self._segment_exchange(step, [(dests, srcs)], size, result)
-            tc = time.perf_counter()
-            pieces = rs_stripe_encode(layout, j, segs)
-            if piece:
-                pslot.view[q * piece:(q + 1) * piece].copy_(
-                    torch.frombuffer(bytearray(pieces[q]), dtype=torch.uint8))
-            result.encode_compute_s += time.perf_counter() - tc
-        return self.parity * piece
+        dests = [(t, cut(*layout.segment_range(me, t))) for t in ((me + 1 + s) % n for s in range(d))]
+        srcs = [layout.contributor_at(me, p) for p in range(d)]
+        (segs,) = self._segment_exchange(step, [(dests, srcs)], size, result)
+        tc = time.perf_counter()
+        pieces = [torch.frombuffer(bytearray(p), dtype=torch.uint8) if p else torch.empty(0, dtype=torch.uint8)
+                  for p in rs_stripe_encode(layout, me, segs)]
+        if piece:
+            pslot.view[:piece].copy_(pieces[0])
+        result.encode_compute_s += time.perf_counter() - tc
+        if k > 1:
+            sends = [((me + q) % n, [pieces[q]]) for q in range(1, k)]
+            (got,) = self._segment_exchange(step, [(sends, [(me - q) % n for q in range(1, k)])],
+                                            piece, result)
+            for q, buf in zip(range(1, k), got, strict=True):
+                if len(buf) != piece:
+                    raise AegisError(f"RS parity piece {q} from rank {members[(me - q) % n]} is "
+                                     f"{len(buf)} bytes, expected {piece}")
+                if piece:
+                    pslot.view[q * piece:(q + 1) * piece].copy_(torch.frombuffer(buf, dtype=torch.uint8))
+        return k * piece
 
     def _decide_commit(self, step: int, reports: list[Any], complete_s: float) -> tuple[str, Any]:
         """Rank 0: commit only if every shard is stored and every replica verified against the
