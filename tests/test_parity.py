@@ -269,3 +269,15 @@ def test_a_node_lost_during_recovery(scheme: str, store_dir: Path) -> None:
     assert_bitwise_equal(saved[0]["full"], out[0]["full"])
     for r in (2, 4) if scheme == "rs" else (2,):
         assert {s["shard"]: s for s in out[r]["sources"]}[r]["tier"] == "rebuild", out[r]["sources"]
+
+
+def test_rs_rebuild_reads_around_a_missing_parity_file(store_dir: Path) -> None:
+    """RS 3+2, node c lost and rank 3's parity file gone from node d: still one loss short of
+    the parity, so rank 2's shard is rebuilt from the other pieces, bitwise."""
+    saved = run_ranks(5, _save, str(store_dir), RS)
+    lose(store_dir, "c")
+    NodeStore(store_dir / "d", JOB).parity_path(3, 3, "rs").unlink()
+    out = _restore_xor(5, store_dir, ["a", "b", "f", "d", "e"], RS)
+    assert [o["step"] for o in out] == [3] * 5, out
+    assert_bitwise_equal(saved[0]["full"], out[0]["full"])
+    assert {s["shard"]: s for s in out[2]["sources"]}[2]["tier"] == "rebuild", out[2]["sources"]

@@ -691,6 +691,9 @@ def _run_rebuilds(
     def lost(g: Any) -> set[int]:  # member indices whose shard no node holds
         return {i for i, m in enumerate(g.members) if not holders(m)}
 
+    def no_parity(g: Any) -> set[int]:  # member indices whose parity file no node holds
+        return {i for i, m in enumerate(g.members) if not parity_holders(m)}
+
     # 1. what each job reads: (kind, member index, lo, hi) per piece, per rebuilt range
     plans = []
     for s, _, dst, ids in jobs:
@@ -701,7 +704,8 @@ def _run_rebuilds(
         rec = manifest.shard(s)
         wanted = set(range(len(rec.chunks))) if ids is None else ids
         runs = _runs(list(rec.chunks), wanted, size=rec.size)
-        ranges = _rs_ranges(layout, x, runs, lost(g)) if scheme == "rs" else _xor_ranges(layout, x, runs)
+        ranges = (_rs_ranges(layout, x, runs, lost(g), no_parity(g)) if scheme == "rs"
+                  else _xor_ranges(layout, x, runs))
         plans.append((s, dst, wanted, g, layout, ranges))
     checks = sorted({(g.members[i], source("parity", g.members[i], dst), g.stored, g.parity_crc32c[i])
                      for _, dst, _, g, _, ranges in plans for _, parts in ranges
@@ -796,11 +800,12 @@ def _xor_ranges(layout: StripeLayout, x: int, runs: list[tuple[int, int]]
     return out
 
 
-def _rs_ranges(layout: StripeLayout, x: int, runs: list[tuple[int, int]], lost: set[int]
-               ) -> list[tuple[int, list[_Part]]]:
+def _rs_ranges(layout: StripeLayout, x: int, runs: list[tuple[int, int]], lost: set[int],
+               no_parity: set[int]) -> list[tuple[int, list[_Part]]]:
     """RS: every segment of member ``x`` the runs touch, each read from d surviving pieces of
     its stripe, listed as data positions 0..d-1 then parity pieces (the decoder's order):
-    the contributors that survive (an empty segment needs no bytes) first, then parity."""
+    the contributors that survive (an empty segment needs no bytes) first, then the pieces of
+    holders whose parity file some node holds (``_rebuild_blocker`` made sure enough do)."""
     seg_size, d = layout.segment_size, layout.data
     piece = rs_piece_size(layout)
     segs = sorted({p // seg_size for a, b in runs for p in range(a - a % seg_size, b, seg_size)})
@@ -814,7 +819,7 @@ def _rs_ranges(layout: StripeLayout, x: int, runs: list[tuple[int, int]], lost: 
             if i != x and (i not in lost or hi == lo):
                 parts.append(("shard", i, lo, hi))
         for q, h in enumerate(layout.holders(j)):
-            if len(parts) < d and h not in lost:
+            if len(parts) < d and h not in lost and h not in no_parity:
                 parts.append(("parity", h, q * piece, (q + 1) * piece))
         out.append((seg * seg_size, parts))
     return out
