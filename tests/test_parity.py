@@ -132,12 +132,13 @@ def test_a_loss_while_encoding_then_a_corrupt_parity_resume_bitwise_from_durable
         run_ranks(5, _save, str(store_dir), kw, env={"AEGIS_FAIL_AT": "2:3:encode"})
     assert [s.step for s in NodeStore(store_dir / "a", JOB).steps() if s.committed] == [2]
     lose(store_dir, "c")
-    # and rank 0's parity, which rebuilding rank 2's shard needs (XOR: stripe 0; RS 3+2: piece
-    # 0 of stripe 0, whose other contributors are ranks 4 and 3), is damaged
-    path = NodeStore(store_dir / "a", JOB).parity_path(2, 0, scheme)
-    data = bytearray(path.read_bytes())
-    data[5] ^= 0x10
-    path.write_bytes(bytes(data))
+    # and rank 0's parity, which rebuilding rank 2's shard needs (XOR: stripe 0), is damaged;
+    # RS 3+2 reads around one damaged piece, so rank 4's is damaged too (3 losses: beyond it)
+    for node, r in [("a", 0), ("e", 4)] if scheme == "rs" else [("a", 0)]:
+        path = NodeStore(store_dir / node, JOB).parity_path(2, r, scheme)
+        data = bytearray(path.read_bytes())
+        data[5] ^= 0x10
+        path.write_bytes(bytes(data))
     # the CLI shows the groups and `aegis verify` names the damaged parity
     code, text, _ = inproc(capsys, "inspect", str(store_dir / "a"), "--json")
     red = json.loads(text)["redundancy"]
@@ -183,9 +184,9 @@ def test_a_rebuild_on_a_node_without_the_step_reports_instead_of_raising(tmp_pat
     g = m.redundancy.groups[0]  # type: ignore[union-attr]
     rec = m.shard(1)
     ranges = _xor_ranges(layout, 1, _runs(list(rec.chunks), {0}, size=rec.size))
-    plan = (1, "new-node", {0}, g, layout, ranges)
+    plan = (1, "new-node", {0}, g, layout, ranges, None)
     nothing = [(pos, []) for pos, _ in ranges]  # no piece arrived
-    out = _fold_rebuilds(store, m, [plan], {(1, "new-node"): (nothing, 0)}, [], lambda n, s: 0, 0, 0.0)
+    out = _fold_rebuilds(store, m, [plan], {(1, "new-node"): (nothing, 0)}, lambda n, s: 0, 0, 0.0)
     assert len(out) == 1 and out[0][:3] == (1, REBUILD, "new-node") and out[0][3], out
     assert "crc32c mismatch" in out[0][3] and not store.partial_path(5, 1).exists()
 
@@ -271,12 +272,20 @@ def test_a_node_lost_during_recovery(scheme: str, store_dir: Path) -> None:
         assert {s["shard"]: s for s in out[r]["sources"]}[r]["tier"] == "rebuild", out[r]["sources"]
 
 
-def test_rs_rebuild_reads_around_a_missing_parity_file(store_dir: Path) -> None:
-    """RS 3+2, node c lost and rank 3's parity file gone from node d: still one loss short of
-    the parity, so rank 2's shard is rebuilt from the other pieces, bitwise."""
+@pytest.mark.parametrize("damage", ["missing", "corrupt"])
+def test_rs_rebuild_reads_around_a_missing_or_corrupt_parity_file(damage: str, store_dir: Path) -> None:
+    """RS 3+2, node c lost and rank 3's parity file gone from node d, or corrupt there: still
+    one loss short of the parity, so rank 2's shard is rebuilt from the other pieces, bitwise
+    (the corrupt file is found by its crc32c and never read into the rebuild)."""
     saved = run_ranks(5, _save, str(store_dir), RS)
     lose(store_dir, "c")
-    NodeStore(store_dir / "d", JOB).parity_path(3, 3, "rs").unlink()
+    path = NodeStore(store_dir / "d", JOB).parity_path(3, 3, "rs")
+    if damage == "missing":
+        path.unlink()
+    else:
+        data = bytearray(path.read_bytes())
+        data[len(data) // 3] ^= 0x01
+        path.write_bytes(bytes(data))
     out = _restore_xor(5, store_dir, ["a", "b", "f", "d", "e"], RS)
     assert [o["step"] for o in out] == [3] * 5, out
     assert_bitwise_equal(saved[0]["full"], out[0]["full"])

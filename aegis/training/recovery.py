@@ -694,7 +694,20 @@ def _run_rebuilds(
     def no_parity(g: Any) -> set[int]:  # member indices whose parity file no node holds
         return {i for i, m in enumerate(g.members) if not parity_holders(m)}
 
-    # 1. what each job reads: (kind, member index, lo, hi) per piece, per rebuilt range
+    # 1. every parity file held for the groups involved, checked where it is held
+    checks = sorted({(r, source("parity", r, dst), g.stored, g.parity_crc32c[i])
+                     for s, _, dst, _ in jobs for g in [red.group_of(s)] if g is not None
+                     for i, r in enumerate(g.members) if parity_holders(r)})
+    mine = []
+    for r, n, size, crc in checks:
+        if worker(n, r) == me:
+            try:
+                store.verify_parity(step, r, size, crc, scheme)
+            except CorruptShardError as e:
+                mine.append((r, f"{n}: {e}"))
+    bad = dict(x for xs in group.all_gather(mine, "rebuild parity check") for x in xs)
+    # 2. what each job reads: (kind, member index, lo, hi) per piece, per rebuilt range; RS
+    # reads around missing or corrupt parity while the group's losses stay within k
     plans = []
     for s, _, dst, ids in jobs:
         g = red.group_of(s)
@@ -704,26 +717,24 @@ def _run_rebuilds(
         rec = manifest.shard(s)
         wanted = set(range(len(rec.chunks))) if ids is None else ids
         runs = _runs(list(rec.chunks), wanted, size=rec.size)
-        ranges = (_rs_ranges(layout, x, runs, lost(g), no_parity(g)) if scheme == "rs"
-                  else _xor_ranges(layout, x, runs))
-        plans.append((s, dst, wanted, g, layout, ranges))
-    checks = sorted({(g.members[i], source("parity", g.members[i], dst), g.stored, g.parity_crc32c[i])
-                     for _, dst, _, g, _, ranges in plans for _, parts in ranges
-                     for kind, i, _, _ in parts if kind == "parity"})
-    mine = []
-    for r, n, size, crc in checks:
-        if worker(n, r) == me:
-            try:
-                store.verify_parity(step, r, size, crc, scheme)
-            except CorruptShardError as e:
-                mine.append(f"{n}: {e}")
-    bad_parity = [x for xs in group.all_gather(mine, "rebuild parity check") for x in xs]
-    # 2. the pieces: sends and receives in one global order, so every pair of ranks matches
+        corrupt = {i for i, m in enumerate(g.members) if m in bad}
+        if scheme == "rs":
+            ranges = (_rs_ranges(layout, x, runs, lost(g), no_parity(g) | corrupt)
+                      if len(lost(g) | no_parity(g) | corrupt) <= layout.parity else [])
+            used = corrupt if not ranges else set()
+        else:  # XOR has no other piece: a corrupt parity the runs need ends the rebuild
+            ranges = _xor_ranges(layout, x, runs)
+            used = corrupt & {i for _, parts in ranges for kind, i, _, _ in parts if kind == "parity"}
+            ranges = [] if used else ranges
+        why = "; ".join(bad[g.members[i]] for i in sorted(used)) or (
+            None if ranges else f"more than {layout.parity} member(s) of group {list(g.members)} lost")
+        plans.append((s, dst, wanted, g, layout, ranges, why))
+    # 3. the pieces: sends and receives in one global order, so every pair of ranks matches
     sends: list[Send] = []
     recvs: list[Recv] = []
     todo: dict[tuple[int, str], tuple[list[tuple[int, list[torch.Tensor]]], int]] = {}
-    for s, dst, _wanted, g, _layout, ranges in plans:
-        if bad_parity:
+    for s, dst, _wanted, g, _layout, ranges, unusable in plans:
+        if unusable:
             continue
         receiver = worker(dst, s)
         pieces: list[tuple[int, list[torch.Tensor]]] = []
@@ -762,7 +773,7 @@ def _run_rebuilds(
     try:
         transport.exchange(sends, recvs)
         secs = time.perf_counter() - t0
-        return _fold_rebuilds(store, manifest, plans, todo, bad_parity, worker, me, secs)
+        return _fold_rebuilds(store, manifest, plans, todo, worker, me, secs)
     finally:
         sends.clear()
         todo.clear()
@@ -827,7 +838,7 @@ def _rs_ranges(layout: StripeLayout, x: int, runs: list[tuple[int, int]], lost: 
 
 def _fold_rebuilds(store: NodeStore, manifest: Manifest, plans: list[Any],
                    todo: dict[tuple[int, str], tuple[list[tuple[int, list[torch.Tensor]]], int]],
-                   bad_parity: list[str], worker: Callable[[str, int], int], me: int, secs: float
+                   worker: Callable[[str, int], int], me: int, secs: float
                    ) -> list[tuple[int, str, str, str | None, int, float, bool]]:
     """The receiving side of :func:`_run_rebuilds`: XOR the pieces (or RS-decode each
     segment) into a sparse partial file and check every rebuilt chunk and the index against
@@ -836,10 +847,10 @@ def _fold_rebuilds(store: NodeStore, manifest: Manifest, plans: list[Any],
     red = manifest.redundancy
     assert red is not None
     results: list[tuple[int, str, str, str | None, int, float, bool]] = []
-    for s, dst, wanted, g, layout, ranges in plans:
-        if bad_parity:
+    for s, dst, wanted, g, layout, ranges, unusable in plans:
+        if unusable:
             if worker(dst, s) == me:
-                results.append((s, REBUILD, dst, "parity unusable: " + "; ".join(bad_parity), 0, 0.0, True))
+                results.append((s, REBUILD, dst, "parity unusable: " + unusable, 0, 0.0, True))
             continue
         if (s, dst) not in todo:
             continue  # another rank rebuilds this one
