@@ -26,6 +26,7 @@ RS library until RS is used.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -652,16 +653,16 @@ def _stripe_rs(layout: StripeLayout) -> RsLayout:
 
 
 def _rs_header(layout: StripeLayout) -> int:
-    """Bytes of liberasurecode's fragment header for this code (found once per process)."""
+    """Bytes of liberasurecode's fragment header for this code."""
     rs = _stripe_rs(layout)
-    key = ("header", rs.data, rs.parity, rs.ec_type)
-    cache = getattr(_local, "rs", None) or {}
-    if key not in cache:
-        frags = rs_encode([bytes(SEGMENT_ALIGN)] * rs.data, rs.parity, ec_type=rs.ec_type)
-        cache = getattr(_local, "rs", None) or {}
-        cache[key] = len(frags[0].fragment) - SEGMENT_ALIGN
-        _local.rs = cache
-    return int(cache[key])
+    return _rs_header_of(rs.data, rs.parity, rs.ec_type)
+
+
+@functools.cache
+def _rs_header_of(data: int, parity: int, ec_type: str) -> int:
+    """Found once per process, by encoding one small stripe."""
+    frags = rs_encode([bytes(SEGMENT_ALIGN)] * data, parity, ec_type=ec_type)
+    return len(frags[0].fragment) - SEGMENT_ALIGN
 
 
 def rs_piece_size(layout: StripeLayout) -> int:

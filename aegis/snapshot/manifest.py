@@ -212,8 +212,8 @@ class Redundancy:
     parity: int = 1  # losses per group it rebuilds (XOR: 1; RS: k)
     ec_type: str = ""  # RS: the liberasurecode backend that encoded the parity
 
-    def layout(self, group: ParityGroup, sizes: Sequence[int]) -> StripeLayout:
-        """The stripe layout of ``group`` whose members' shards have ``sizes`` bytes."""
+    def layout(self, sizes: Sequence[int]) -> StripeLayout:
+        """The stripe layout of a group whose members' shards have ``sizes`` bytes."""
         return stripe_layout(sizes, self.parity, ec_type=self.ec_type)
 
     def group_of(self, rank: int) -> ParityGroup | None:

@@ -712,7 +712,7 @@ def _run_rebuilds(
     for s, _, dst, ids in jobs:
         g = red.group_of(s)
         assert g is not None
-        layout = red.layout(g, [manifest.shard(m).size for m in g.members])
+        layout = red.layout([manifest.shard(m).size for m in g.members])
         x = g.members.index(s)
         rec = manifest.shard(s)
         wanted = set(range(len(rec.chunks))) if ids is None else ids
