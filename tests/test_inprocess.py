@@ -333,12 +333,12 @@ def test_a_member_watched_anew_counts_as_just_seen_and_rejoin_backs_off(
     on its reading from before (CI: a round formed without a woken peer); a process that keeps
     missing admitted rounds registers again only after a growing wait, and stops waiting once
     the job is done."""
-    from aegis.training import inprocess as ip
+    from aegis.training.inprocess import membership as ip
 
     store = torch.distributed.TCPStore("127.0.0.1", free_port(), is_master=True,
                                        wait_for_workers=False, timeout=timedelta(seconds=10))
     monkeypatch.setenv("AEGIS_MEMBERSHIP", f"127.0.0.1:{store.port}")
-    hb = ip._Heartbeat("me", 0.05, timedelta(seconds=10))
+    hb = ip.Heartbeat("me", 0.05, timedelta(seconds=10))
     try:
         hb._seen["peer"] = (7, time.monotonic() - 60.0)  # last moved a minute ago, then unwatched
         hb.watch(["peer"])
@@ -348,7 +348,7 @@ def test_a_member_watched_anew_counts_as_just_seen_and_rejoin_backs_off(
         assert hb.silent_for("peer") >= 0.25
     finally:
         hb.stop()
-    assert [ip._backoff_s(m) for m in range(8)] == [0, 0, 1, 2, 4, 8, 16, 30]
+    assert [ip.backoff_s(m) for m in range(8)] == [0, 0, 1, 2, 4, 8, 16, 30]
     store.set("aegis/round/0/done", "1")
     t = time.monotonic()
-    assert ip._backoff(store, 30.0) is False and time.monotonic() - t < 5
+    assert ip.backoff(store, 30.0) is False and time.monotonic() - t < 5

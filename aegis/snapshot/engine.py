@@ -235,6 +235,9 @@ class SnapshotEngine:
         # (in-process recovery: how many processes wait to join, the same answer on every rank)
         self.vote: Callable[[], int] | None = None
         self.last_vote = 0
+        # why this rank's state can no longer be trusted (in-process recovery: a peer fenced off
+        # by an NCCL abort), checked before this rank reports its shard to the commit
+        self.poisoned: Callable[[], str | None] | None = None
         self.group = group
         self.rank = group.rank
         self.world = group.world
@@ -584,6 +587,8 @@ class SnapshotEngine:
             except Exception as e:  # noqa: BLE001 - a member that stopped answering: abort
                 err, full = err or f"parity encoding: {type(e).__name__}: {e}", False
             result.encode_s = time.perf_counter() - te
+        if self.poisoned is not None and (why := self.poisoned()) is not None:
+            err, full = err or f"round abandoned: {why}", False
         tc = time.perf_counter()
         reports = self.group.gather(
             (record, err, received, result.blocking_s, result.copy_s, full, parity), "commit gather"

@@ -164,6 +164,7 @@ class Manager:
         if inprocess.in_process_round():
             inprocess.register_manager(self)
             self.engine.vote = inprocess.joiners_registered
+            self.engine.poisoned = inprocess.round_failure
         self.uploader: Uploader | None = None
         self._last_upload_t = time.monotonic()
         self._upload_owed = False  # a due upload was skipped (backlog): catch up when it drains
@@ -474,6 +475,7 @@ class Manager:
         than the last one saved or restored.
         """
         self._check_open()
+        inprocess.check_round()  # a peer fenced off by an NCCL abort: no snapshot of garbage
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise StepOrderError(f"save(step={step!r}): step must be a non-negative integer")
         if self._existing and not self._restore_called:

@@ -1,0 +1,358 @@
+"""The round loop: form a round, run ``train(world)`` in it, and after a lost peer (or joiners
+admitted) tear it down and form the next one, in the same process.
+
+Phases of one recovery, each behind its own module: *detect* (the heartbeat thread of
+:mod:`.membership` fences a silent member through the round's :mod:`.abandon`; a collective
+fails), *tear down* (:func:`teardown`: abort the round's Managers without collectives, leave and
+destroy its groups through :mod:`.abandon`, free what the round held, check the CUDA context),
+*agree* (:meth:`.membership.Membership.form`), *regroup* (a new default group on the round's
+``PrefixStore``), then ``train`` again, which restores.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from aegis._dist import node_id
+from aegis.errors import ConfigError
+from aegis.training.inprocess import abandon as _abandon
+from aegis.training.inprocess.membership import (
+    Excluded,
+    Heartbeat,
+    Membership,
+    join_running,
+    store_from_env,
+)
+from aegis.training.inprocess.round import (
+    RecoveryGaveUp,
+    Regroup,
+    Round,
+    World,
+    in_round,
+    is_peer_failure,
+    live_managers,
+    set_in_process_round,
+)
+
+__all__ = ["run_in_process", "teardown", "check_nccl_env", "cuda_health"]
+
+
+def _clear_dtensor_caches() -> None:
+    """DTensor's caches keyed by DeviceMesh that are not per thread hold the failed round's
+    meshes, and through them its groups: drop them (see :func:`_run_round` for why each round
+    runs in a thread of its own)."""
+    with contextlib.suppress(Exception):
+        from torch.distributed.tensor import DTensor
+
+        sp = DTensor._op_dispatcher.sharding_propagator
+        sp.propagate_op_sharding = type(sp.propagate_op_sharding)(sp.propagate_op_sharding_non_cached)
+        type(sp)._propagate_tensor_meta_cached.cache_clear()
+    with contextlib.suppress(Exception):
+        from torch.distributed.tensor._collective_utils import MeshTopoInfo
+
+        MeshTopoInfo.build_from_mesh.cache_clear()
+
+
+def _cuda_in_use() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available() and torch.cuda.is_initialized())
+
+
+def cuda_health() -> None:
+    """After a round: the CUDA context must still work, or the process restarts. A fault can
+    leave a *sticky* error (an illegal address, a device assert: every later CUDA call fails the
+    same way, cudaDeviceReset is the only cure, and it takes every tensor with it); training
+    on would fail later or, worse, on wrong values. A synchronize and one small kernel tell."""
+    if not _cuda_in_use():
+        return
+    import torch
+
+    try:
+        torch.cuda.synchronize()
+        x = torch.ones(16, device="cuda")
+        if float((x * 2).sum().item()) != 32.0:
+            raise RuntimeError("a test kernel computed a wrong value")
+    except Exception as e:  # noqa: BLE001 - any failure means the context cannot be trusted
+        raise RecoveryGaveUp(
+            f"the CUDA context of this process is unusable after the failed round ({type(e).__name__}: "
+            f"{str(e)[:300]}); restarting the process (its node store keeps the snapshots)") from None
+
+
+def cuda_memory() -> dict[str, int]:
+    """Bytes allocated and reserved by torch's CUDA caching allocator (empty without CUDA)."""
+    if not _cuda_in_use():
+        return {}
+    import torch
+
+    return {"cuda_allocated": int(torch.cuda.memory_allocated()),
+            "cuda_reserved": int(torch.cuda.memory_reserved())}
+
+
+def teardown(ab: _abandon.Abandon, members: list[str]) -> None:
+    """After a round ended: abort its Managers (no collectives), leave its groups so that no
+    peer stays blocked on this process, destroy every group, release what the round held (its
+    DTensor caches, its CUDA blocks), and check that the CUDA context still works."""
+    managers = live_managers()
+    for m in managers:
+        with contextlib.suppress(Exception):
+            m.abort(begin=True)
+    ab.leave(members)
+    for m in managers:
+        with contextlib.suppress(Exception):
+            m.abort(begin=False)
+    del managers
+    _clear_dtensor_caches()
+    gc.collect()
+    cuda_health()
+    if _cuda_in_use():
+        import torch
+
+        torch.cuda.empty_cache()  # the round's blocks, so that memory stays flat over rounds
+
+
+def check_nccl_env(backend: str, collective_timeout: timedelta, dead_after_s: float) -> list[str]:
+    """The environment in-process recovery needs with NCCL, checked before the first round;
+    returns what was set on the user's behalf (a line each). torch's default for
+    ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` (3) tears the process down at the first NCCL error or
+    timeout: a survivor would die instead of recovering. 2 (abort the communicator, keep the
+    process) is set when the variable is unset; 0 (no handling: aegis' fence aborts) is accepted;
+    1 and 3 are refused. The collective timeout must leave aegis' detection (``dead_after_s``)
+    the time to fence a silent member first."""
+    if "nccl" not in backend.lower():
+        return []
+    said: list[str] = []
+    value = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+    if value is None:
+        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
+        said.append("TORCH_NCCL_ASYNC_ERROR_HANDLING=2 set (abort the communicator on an NCCL "
+                    "error, keep the process: in-process recovery needs the survivors alive)")
+    elif value.strip() not in ("0", "2"):
+        raise ConfigError(
+            f"TORCH_NCCL_ASYNC_ERROR_HANDLING={value}: with it, torch tears the process down at the "
+            "first NCCL error or timeout, so a survivor of a lost peer dies instead of recovering in "
+            "place. Set it to 2 (abort the communicator, keep the process) or 0 (aegis aborts), or "
+            "leave it unset (aegis sets 2)")
+    if collective_timeout.total_seconds() <= dead_after_s + 1.0:
+        raise ConfigError(
+            f"run_in_process(collective_timeout={collective_timeout.total_seconds():g} s, "
+            f"dead_after_s={dead_after_s:g}): with NCCL the collective timeout must exceed "
+            "dead_after_s + 1 s, so that aegis fences a silent peer (and aborts the communicators) "
+            "before torch's watchdog times the collective out")
+    hb = os.environ.get("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC")
+    if hb is not None and float(hb) < 30:
+        raise ConfigError(
+            f"TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC={hb}: torch's NCCL monitor kills the process when its "
+            "watchdog is stuck that long, which an abort in progress can be; use at least 30 s")
+    return said
+
+
+def _run_round(train: Callable[[World], Any], world: World) -> Any:
+    """``train(world)`` in a thread of its own, one per round. A DeviceMesh compares equal to an
+    earlier round's mesh of the same shape unless it was made in another thread (equality looks
+    at the rank map, layout, device type, names and the creating thread, not at the process
+    group or this rank's coordinate), and DTensor caches sharding decisions by mesh, per thread.
+    Measured here in one thread: a survivor whose rank changed between rounds got tensors on the
+    earlier round's mesh, with its old coordinate, and planned its shards at its old rank's
+    offsets (DCP: "invalid fill ... chunks-volume"). A thread per round gives each round meshes
+    of its own and empty thread-local caches (and the NCCL fence a thread to raise in)."""
+    box: dict[str, Any] = {}
+    device: list[int] = []
+    if _cuda_in_use():
+        import torch
+
+        device.append(torch.cuda.current_device())
+
+    def run() -> None:
+        set_in_process_round(True)
+        try:
+            if device:  # the current device is per thread
+                import torch
+
+                torch.cuda.set_device(device[0])
+            box["result"] = train(world)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller below
+            box["error"] = e
+        finally:
+            set_in_process_round(False)
+
+    thread = threading.Thread(target=run, name=f"aegis-round-{world.round}", daemon=True)
+    Round.thread = thread
+    thread.start()
+    thread.join()
+    Round.thread = None
+    error = box.pop("error", None)
+    if error is not None:
+        try:
+            raise error
+        finally:
+            del error
+    return box.get("result")
+
+
+def _emit_recovery(w: World, extra: dict[str, Any]) -> None:
+    """One ``recovery`` event per rank and round in ``$AEGIS_EVENTS_DIR`` (beside the Manager's
+    events), with the phases so far: teardown, agree, regroup; the Manager's ``start`` and
+    ``restore`` events that follow time the rebuild and the restore."""
+    root = os.environ.get("AEGIS_EVENTS_DIR")
+    if not root:
+        return
+    with contextlib.suppress(OSError):
+        os.makedirs(root, exist_ok=True)
+        with open(os.path.join(root, f"rank-{w.rank:05d}.jsonl"), "a") as fh:
+            fh.write(json.dumps({"time": time.time(), "event": "recovery", "rank": w.rank,
+                                 "round": w.round, "world_size": w.size, "node": w.node,
+                                 "failed_at": w.failed_at, "cause": w.cause,
+                                 "timings": w.timings, **extra}) + "\n")
+
+
+def run_in_process(
+    train: Callable[[World], Any],
+    *,
+    min_world: int = 1,
+    max_restarts: int = 100,
+    heartbeat_s: float = 0.2,
+    dead_after_s: float = 1.0,
+    collective_timeout: timedelta = timedelta(seconds=30),
+    form_timeout: timedelta = timedelta(minutes=2),
+    backend: str = "gloo",
+    on_round: Callable[[World], None] | None = None,
+) -> Any:
+    """Run ``train(world)`` on every process of the job, and again on the survivors, in the same
+    processes, whenever a peer is lost. Returns what the last call of ``train`` returned.
+
+    Every process of the job calls it once, instead of ``init_process_group``; ``train`` must
+    build everything that is bound to the process group (device mesh, FSDP model, optimizer,
+    the aegis ``Manager``) itself. ``WORLD_SIZE`` (torchrun's) is the size of the first round;
+    later rounds have the survivors (at least ``min_world``). A peer counts as dead once its
+    heartbeat has not moved for ``dead_after_s``; then this process fences it off (gloo: its
+    connections shut down; NCCL: the communicators aborted), so a collective waiting on it ends
+    then, not at ``collective_timeout``. ``backend``: ``"gloo"`` (CPU, or CUDA tensors over
+    gloo), ``"nccl"`` or ``"cpu:gloo,cuda:nccl"`` (see :func:`check_nccl_env` for the NCCL
+    environment it checks).
+    """
+    if min_world < 1 or dead_after_s <= heartbeat_s:
+        raise ConfigError(f"run_in_process(min_world={min_world}, heartbeat_s={heartbeat_s}, "
+                          f"dead_after_s={dead_after_s}): need min_world >= 1 and dead_after_s > "
+                          "heartbeat_s")
+    if dist.is_initialized():
+        raise ConfigError("run_in_process() creates the process groups itself: call it instead of "
+                          "init_process_group(), not after it")
+    ab = _abandon.for_backend(backend)
+    for line in check_nccl_env(backend, collective_timeout, dead_after_s):
+        print(f"[aegis] {line}", flush=True)
+    node = node_id()
+    local = os.environ.get("LOCAL_RANK", "0")
+    uid = f"{node}/{local}/{os.getpid()}"
+    store = store_from_env(form_timeout)
+    hb = Heartbeat(uid, heartbeat_s, form_timeout, fence_after_s=dead_after_s, fence=ab.fence,
+                   fenceable=lambda u: in_round() and u in Round.members)
+    membership = Membership(store, uid, hb, dead_after_s=dead_after_s,
+                            form_timeout_s=form_timeout.total_seconds(), min_world=min_world)
+    first = int(os.environ.get("WORLD_SIZE", "1"))
+    r = 0
+    previous: list[str] | None = None
+    restarts = 0
+    misses = 0  # rounds formed without this process in a row (see membership.backoff_s)
+    timings: dict[str, float] = {}
+    extra: dict[str, Any] = {}
+    failed_at: float | None = None
+    cause: str | None = None
+    join = store.check(["aegis/round/0/members"])  # the job runs already: join it
+    clean = False  # the last round returned: its groups are healthy, destroy them plainly
+    try:
+        while True:
+            t0 = time.perf_counter()
+            if join:
+                r, previous = join_running(store, uid, hb, dead_after_s=dead_after_s,
+                                           timeout_s=form_timeout.total_seconds(), misses=misses)
+                join = False
+                if r < 0:
+                    return None
+            try:
+                members, admitted = membership.form(r, previous, first)
+            except Excluded as e:
+                join = True  # left out while silent: register and come back at a snapshot
+                misses += 1
+                cause = str(e)
+                continue
+            misses = 0
+            t1 = time.perf_counter()
+            rank = members.index(uid)
+            hb.watch([u for u in members if u != uid])
+            Round.store, Round.r, Round.uid, Round.members = store, r, uid, members
+            Round.admitted = admitted
+            Round.failed = None
+            Round.abandon = ab
+            ab.begin(store, r, uid)
+            dist.init_process_group(backend, store=dist.PrefixStore(f"aegis/round/{r}/pg", store),
+                                    rank=rank, world_size=len(members), timeout=collective_timeout)
+            t2 = time.perf_counter()
+            if restarts:
+                timings.update(agree_s=t1 - t0, regroup_s=t2 - t1)
+            world = World(rank=rank, size=len(members), round=r, node=node, members=members,
+                          restarts=restarts, timings=dict(timings), failed_at=failed_at,
+                          cause=cause)
+            if restarts:
+                _emit_recovery(world, extra)
+            ab.publish()  # the default group's sockets
+            if on_round is not None:
+                on_round(world)
+            Round.active = True
+            try:
+                result = _run_round(train, world)
+                with contextlib.suppress(Exception):  # a process still waiting to join: go home
+                    store.set(f"aegis/round/{r}/done", "1")
+                clean = True
+                return result
+            except Regroup as e:  # every rank, after the same committed snapshot
+                registered = e.registered
+                failed_at = None
+                cause = f"regroup: {e}"
+            except BaseException as e:
+                if not is_peer_failure(e) or restarts >= max_restarts:
+                    raise
+                failed_at = time.time()
+                registered = 0
+                cause = f"{type(e).__name__}: {e}"[:500]
+                if Round.failed is not None and Round.failed not in cause:
+                    cause = f"{cause} ({Round.failed})"[:500]
+            finally:
+                Round.active = False
+            # Out of the except block: the exception and its frames (holding the round's model,
+            # mesh and groups) are released, so destroying the groups really closes them.
+            del world
+            td = time.perf_counter()
+            teardown(ab, members)
+            timings = {"teardown_s": time.perf_counter() - td}
+            extra = {"backend": backend, **cuda_memory()}
+            previous = members
+            restarts += 1
+            r += 1
+            if registered > admitted:  # grow: admit the processes that registered
+                joiners = [store.get(f"aegis/join/slot/{i}").decode()
+                           for i in range(admitted + 1, registered + 1)]
+                joiners = [u for k, u in enumerate(joiners) if u not in previous and u not in joiners[:k]]
+                for i in range(admitted + 1, registered + 1):
+                    store.set(f"aegis/join/round/{i}", json.dumps(
+                        {"round": r, "previous": previous + joiners}))
+                store.set("aegis/admitted", str(registered))
+                previous = previous + joiners
+                hb.watch([u for u in previous if u != uid])
+    finally:
+        hb.stop()
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):
+                if not clean:  # leaving on an error: never flush a broken communicator
+                    _abandon.abort_nccl()
+                dist.destroy_process_group()

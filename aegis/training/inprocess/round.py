@@ -1,0 +1,150 @@
+"""What runs inside a round sees of it: the current round, the Managers to abort when it fails,
+the joiners waiting, and the exceptions that end a round.
+
+Who calls what: the round loop (:mod:`.loop`) fills :class:`Round` before ``train(world)`` runs
+and clears ``active`` when it ends; :class:`~aegis.training.manager.Manager` registers itself,
+votes on joiners (:func:`joiners_registered`) and raises :class:`Regroup`; the heartbeat thread
+reads ``members`` to know whom it may fence.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+from aegis.errors import AegisError
+
+__all__ = [
+    "World",
+    "Regroup",
+    "RecoveryGaveUp",
+    "PeerLost",
+    "Round",
+    "register_manager",
+    "live_managers",
+    "in_process_round",
+    "in_round",
+    "joiners_registered",
+    "joiners_waiting",
+    "is_peer_failure",
+]
+
+
+class Regroup(Exception):  # noqa: N818 - not an error: the round ends on purpose
+    """Raised by ``Manager.save`` on every rank together, after the snapshot committed, when
+    processes wait to join: the next round includes them."""
+
+    def __init__(self, registered: int) -> None:
+        super().__init__(f"{registered} process(es) registered to join")
+        self.registered = registered
+
+
+class RecoveryGaveUp(AegisError):
+    """In-process recovery could not go on (too few members, a membership timeout, a CUDA
+    context that a fault left unusable); the process exits so that the launcher restarts it."""
+
+
+class PeerLost(AegisError):
+    """A member of the round was fenced off (silent for ``dead_after_s``) by a backend that
+    cannot make the pending collective fail by itself (NCCL: its communicators were aborted, so
+    whatever they computed since is garbage). Raised in the round's thread; a peer failure."""
+
+
+@dataclass
+class World:
+    """What ``train`` is called with: the current membership."""
+
+    rank: int
+    size: int
+    round: int
+    node: str
+    members: list[str]
+    restarts: int = 0  # rounds this process re-entered train() after a failure
+    timings: dict[str, float] = field(default_factory=dict)  # the last recovery's phases (s)
+    failed_at: float | None = None  # time.time() when this process saw the last failure
+    cause: str | None = None  # why the previous round ended, as this process saw it
+
+
+class Round:
+    """The current round, for what runs inside it (the Manager publishes its groups and votes
+    on joiners; the heartbeat fences members of it). Class attributes: one round per process."""
+
+    store: Any = None
+    r: int = -1
+    uid: str = ""
+    members: list[str] = []
+    admitted: int = 0  # join slots admitted into a round so far
+    active: bool = False  # train() of the round runs (not torn down)
+    thread: threading.Thread | None = None  # the thread train() runs in
+    abandon: Any = None  # the round's Abandon (backend seam), for publish()
+    failed: str | None = None  # set when a member was fenced off: why the round must end
+
+
+# -- Managers of the current round: aborted (no collectives) when the round fails -------------
+
+_live: weakref.WeakSet[Any] = weakref.WeakSet()
+_active = threading.local()
+
+
+def register_manager(mgr: Any) -> None:
+    _live.add(mgr)
+
+
+def live_managers() -> list[Any]:
+    return list(_live)
+
+
+def in_process_round() -> bool:
+    """True in the thread that runs ``train`` of a round (a Manager built there joins it)."""
+    return bool(getattr(_active, "on", False))
+
+
+def set_in_process_round(on: bool) -> None:
+    _active.on = on
+
+
+def in_round() -> bool:
+    return Round.active
+
+
+def joiners_registered() -> int:
+    """How many processes have registered to join the job (``Manager.save`` votes with it)."""
+    if Round.store is None:
+        return 0
+    try:
+        return int(Round.store.add("aegis/join/count", 0))
+    except Exception:  # noqa: BLE001 - the store away: nobody can join now
+        return Round.admitted
+
+
+def joiners_waiting(registered: int) -> bool:
+    return registered > Round.admitted
+
+
+def check_round() -> None:
+    """Raise :class:`PeerLost` if a member of the running round was fenced off by a backend
+    whose collectives do not fail by themselves (``Manager.save`` calls it first: a snapshot
+    must never commit state computed on aborted communicators)."""
+    if Round.active and Round.failed is not None and in_process_round():
+        raise PeerLost(Round.failed)
+
+
+def is_peer_failure(e: BaseException) -> bool:
+    """A lost or silent peer, as gloo, NCCL and aegis report it (not a bug in the script)."""
+    from aegis.errors import CollectiveError, SnapshotTimeoutError
+
+    if isinstance(e, SnapshotTimeoutError | PeerLost):
+        return True
+    text = f"{type(e).__name__}: {e}".lower()
+    if isinstance(e, CollectiveError):
+        return "peer is likely gone" in text or "timed out" in text or "connection" in text
+    if isinstance(e, AegisError):
+        return "peer is likely gone" in text or "collective failed" in text
+    markers = ("connection closed by peer", "connection reset", "broken pipe", "timed out",
+               "timeout", "socket closed", "no route to host", "connection refused",
+               "read error", "write error", "gloo", "nccl error", "ncclremoteerror",
+               "ncclsystemerror", "ncclinternalerror", "communicator was aborted",
+               "has been aborted", "was aborted")
+    return isinstance(e, RuntimeError | OSError) and any(m in text for m in markers)

@@ -1,0 +1,170 @@
+"""The contract every :class:`aegis.training.inprocess.abandon.Abandon` implementation meets
+(issue 23: one seam, one implementation per backend, one contract test).
+
+Real ranks (separate processes), real process groups, a real TCPStore for what the ranks publish:
+
+1. *leave*: a process that leaves the round's groups (without entering a collective) makes a
+   peer's pending collective with it fail at once, not at the group's timeout;
+2. *fence*: a process whose peer went silent (here: never enters the collective) fences it off
+   from another thread, and its own pending collective fails at once;
+3. after either, every process forms a new group from the store and its collectives work.
+
+Parametrized over the implementations this machine can run: gloo always; NCCL needs two GPUs
+(one GPU cannot host two NCCL ranks), so on a CPU machine it is not generated, not skipped.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+
+from tests.dist_utils import free_port, run_ranks
+
+GROUP_TIMEOUT_S = 60.0
+PROMPT_S = 10.0  # "at once": far below the group's timeout
+
+
+def _backends() -> list[str]:
+    out = ["gloo"]
+    if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
+        out.append("nccl")
+    return out
+
+
+def _store(port: int) -> Any:
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30),
+                         wait_for_workers=False)
+
+
+def _group_and_tensor(backend: str, rank: int) -> tuple[Any, torch.Tensor]:
+    import torch.distributed as dist
+
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        return dist.new_group(backend="nccl", timeout=timedelta(seconds=GROUP_TIMEOUT_S)), \
+            torch.ones(4, device="cuda")
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=GROUP_TIMEOUT_S)), torch.ones(4)
+
+
+def _reform(store: Any, backend: str, rank: int, world: int, r: int) -> float:
+    """A new default group for round ``r`` from the store; one all-reduce on it."""
+    import torch.distributed as dist
+
+    dist.init_process_group(backend, store=dist.PrefixStore(f"round/{r}/pg", store), rank=rank,
+                            world_size=world, timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+    t = torch.ones(4, device="cuda") if backend == "nccl" else torch.ones(4)
+    dist.all_reduce(t)
+    return float(t.sum())
+
+
+def _case(rank: int, world: int, port: int, backend: str, how: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from aegis.training.inprocess import abandon
+    from aegis.training.inprocess.round import PeerLost, Round
+
+    store = _store(port)
+    uid = f"p{rank}"
+    ab = abandon.for_backend(backend)
+    ab.begin(store, 0, uid)
+    group, t = _group_and_tensor(backend, rank)
+    dist.barrier(group=group)  # every connection of the group exists now
+    ab.publish()
+    store.set(f"published/{rank}", "1")
+    store.wait([f"published/{r}" for r in range(world)])
+    members = [f"p{r}" for r in range(world)]
+    out: dict[str, Any] = {"rank": rank}
+    if rank == 0:  # never enters the collective: leaves (case leave) or stays silent (fence)
+        if how == "leave":
+            time.sleep(1.0)
+            ab.leave(members)
+        else:
+            store.wait(["fenced"], timedelta(seconds=60))
+            ab.leave(members)
+    else:
+        Round.thread = threading.current_thread()
+        Round.active = True
+        Round.members = members
+        if how == "fence":
+            def fence_later() -> None:
+                time.sleep(1.0)
+                out["cut"] = ab.fence("p0")
+            threading.Thread(target=fence_later, daemon=True).start()
+        t0 = time.monotonic()
+        try:
+            dist.all_reduce(t, group=group)
+            if backend == "nccl":
+                torch.cuda.synchronize()
+            out["error"] = None
+        except (RuntimeError, PeerLost) as e:
+            out["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        out["failed_after_s"] = time.monotonic() - t0
+        Round.active = False
+        if how == "fence":
+            store.set("fenced", "1")
+        ab.leave(members)
+    out["reformed_sum"] = _reform(store, backend, rank, world, 1)
+    return out
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("how", ["leave", "fence"])
+def test_abandon_contract(backend: str, how: str) -> None:
+    import torch.distributed as dist
+
+    server = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=60))
+    res = run_ranks(2, _case, server.port, backend, how, timeout=90)
+    blocked = res[1]
+    print(f"{backend}/{how}: the pending collective failed after {blocked['failed_after_s']:.2f} s "
+          f"({blocked['error']})")
+    assert blocked["error"] is not None, "the collective with the leaving/silent peer completed"
+    assert blocked["failed_after_s"] < PROMPT_S, blocked
+    if how == "fence":
+        assert blocked["cut"] > 0, "fence() cut nothing"
+    assert [r["reformed_sum"] for r in res] == [8.0, 8.0]
+
+
+def test_for_backend_names_what_it_cannot_abandon() -> None:
+    from aegis.errors import ConfigError
+    from aegis.training.inprocess import abandon
+
+    assert abandon.for_backend("gloo").name == "gloo"
+    assert abandon.for_backend("cpu:gloo,cuda:nccl").name == "nccl+gloo"
+    with pytest.raises(ConfigError, match="mpi"):
+        abandon.for_backend("mpi")
+
+
+def test_nccl_environment_checked_before_the_first_round(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's default TORCH_NCCL_ASYNC_ERROR_HANDLING (3) kills a survivor at the first NCCL
+    error: refused when set so, set to 2 when unset; a collective timeout that would fire before
+    aegis fences a silent peer is refused. gloo needs none of it."""
+    from aegis.errors import ConfigError
+    from aegis.training.inprocess.loop import check_nccl_env
+
+    long, short = timedelta(seconds=30), timedelta(seconds=1.5)
+    assert check_nccl_env("gloo", short, 1.0) == []
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    said = check_nccl_env("cpu:gloo,cuda:nccl", long, 1.0)
+    assert said and "=2" in said[0]
+    import os
+
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+    for bad in ("1", "3"):
+        monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", bad)
+        with pytest.raises(ConfigError, match="tears the process down"):
+            check_nccl_env("nccl", long, 1.0)
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
+    assert check_nccl_env("nccl", long, 1.0) == []
+    with pytest.raises(ConfigError, match="collective timeout must exceed"):
+        check_nccl_env("nccl", short, 1.0)
+    monkeypatch.setenv("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", "5")
+    with pytest.raises(ConfigError, match="at least 30 s"):
+        check_nccl_env("nccl", long, 1.0)
