@@ -5,12 +5,14 @@ environment of the training processes. Phases: ``stage`` (halfway through the bl
 ``complete`` (after the checksums, before the shard's index is written), ``replicate`` (before
 the shard is pushed to its peers), ``encode`` (before the XOR parity segments are exchanged),
 ``commit`` (on a node leader, right before its manifest is
-written), ``restore`` (after the restore decision, before any shard is fetched or loaded), ``upload`` (on
+written), ``deferred`` (``staging="async"``: on the background worker, before the deferred
+copies are issued), ``restore`` (after the restore decision, before any shard is fetched or loaded), ``upload`` (on
 rank 0, after every chunk of a durable step is uploaded, before its manifest is put).
 
-``AEGIS_FAIL_MODE``: ``kill`` (default: SIGKILL this process) or ``pause`` (write a marker file
+``AEGIS_FAIL_MODE``: ``kill`` (default: SIGKILL this process), ``pause`` (write a marker file
 into ``AEGIS_FAULT_DIR`` and block, so that a harness can kill the whole node at exactly that
-moment). With ``AEGIS_FAULT_DIR`` set, each fault fires once per job: the marker is created
+moment), or ``delay:<seconds>`` (sleep that long, then go on: a slow phase, e.g. to show that
+what must wait for it does). With ``AEGIS_FAULT_DIR`` set, each fault fires once per job: the marker is created
 exclusively, so a restarted worker repeating the step does not fire it again.
 A no-op when ``AEGIS_FAIL_AT`` is unset.
 """
@@ -24,7 +26,7 @@ import time
 
 __all__ = ["PHASES", "fail_at", "hit"]
 
-PHASES = ("stage", "complete", "replicate", "encode", "commit", "restore", "upload")
+PHASES = ("stage", "complete", "replicate", "encode", "commit", "restore", "upload", "deferred")
 
 
 def _parse(spec: str) -> list[tuple[int, int | None, str]]:
@@ -76,7 +78,11 @@ def hit(phase: str, step: int, rank: int) -> None:
                 "node": os.environ.get("AEGIS_NODE_ID"), "time": time.time()}
         os.write(fd, json.dumps(info).encode())
         os.close(fd)
-    if os.environ.get("AEGIS_FAIL_MODE", "kill") == "pause":
+    mode = os.environ.get("AEGIS_FAIL_MODE", "kill")
+    if mode.startswith("delay:"):
+        time.sleep(float(mode.split(":", 1)[1]))
+        return
+    if mode == "pause":
         while True:  # frozen here until the harness kills this node
             time.sleep(3600)
     os.kill(os.getpid(), signal.SIGKILL)

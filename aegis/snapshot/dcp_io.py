@@ -19,6 +19,7 @@ import io
 import mmap
 import os
 import time
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,7 @@ from torch.futures import Future
 
 from aegis import _fault
 from aegis.errors import AegisError
+from aegis.snapshot import hostmem
 from aegis.snapshot.manifest import (
     ChunkRecord,
     ItemRecord,
@@ -58,6 +60,7 @@ from aegis.snapshot.shard import (
     finish_layout,
     plan_layout,
 )
+from aegis.snapshot.staging import Fence, Stager
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -91,31 +94,39 @@ class StagedShard:
     payloads: list[bytes]
     copy_s: float
     tail: bytes = b""  # after complete(): the bytes region, index and footer
+    fence: Fence | None = None  # staging="async": the copies still in flight (wait before crc)
 
 
-def stage(step: int, rank: int, layout: ShardLayout, slot: Slot, planner: SavePlanner) -> StagedShard:
+def stage(step: int, rank: int, layout: ShardLayout, slot: Slot, planner: SavePlanner,
+          stager: Stager | None = None) -> StagedShard:
     """Copy the rank's state into ``slot``. The only part of a save that blocks training.
 
     Tensors land at their planned offsets (one copy, no intermediate buffer); byte items are
-    serialized by the planner (DCP's ``torch.save`` of small objects).
+    serialized by the planner (DCP's ``torch.save`` of small objects). With a ``stager`` in
+    ``pinned`` or ``async`` mode, device tensors go ``non_blocking`` into the (registered) slot,
+    and in ``async`` mode the tensors the optimizers update are left to the returned shard's
+    ``fence`` (see :mod:`aegis.snapshot.staging`).
     """
     t0 = time.perf_counter()
-    view = slot.view
-    half = len(layout.tensors) // 2
-    with torch.no_grad():
-        for i, t in enumerate(layout.tensors):
-            if i == half:
-                _fault.hit("stage", step, rank)
-            src = planner.resolve_data(t.item)
-            assert isinstance(src, torch.Tensor)
-            dst = view[t.file_offset:t.file_offset + t.nbytes].view(t.dtype).view(t.shape)
-            dst.copy_(src.detach())
+    stager = stager or Stager("sync")
+    views = slot.item_views(layout)
+    pairs = []
+    for t, dst in zip(layout.tensors, views, strict=True):
+        src = planner.resolve_data(t.item)
+        assert isinstance(src, torch.Tensor)
+        pairs.append((dst, src))
+    split = stager.split(pairs)
+    half = len(split.now) // 2
+    stager.copy_now(split.now[:half], slot.pinned)
+    _fault.hit("stage", step, rank)
+    stager.copy_now(split.now[half:], slot.pinned)
+    fence = stager.begin_deferred(split.later, slot.pinned) if stager.mode == "async" else None
     payloads = []
     for item in layout.byte_items:
         data = planner.resolve_data(item)
         assert isinstance(data, io.BytesIO)
         payloads.append(data.getvalue())
-    return StagedShard(step, rank, layout, slot, payloads, time.perf_counter() - t0)
+    return StagedShard(step, rank, layout, slot, payloads, time.perf_counter() - t0, fence=fence)
 
 
 def complete(staged: StagedShard, *, job: str, node: str) -> ShardRecord:
@@ -285,6 +296,8 @@ class ShardReader(StorageReader):
             (s.rank, i.fqn, i.offset): i for s in manifest.shards for i in s.items
         }
         self._maps: dict[int, mmap.mmap] = {}
+        self._pinned: dict[int, torch.Tensor] = {}  # rank -> registered mapping of its tensor region
+        self._device_copies = False  # non_blocking host-to-device copies issued, not yet waited
         self.bytes_read = 0
         self.bytes_by_rank: dict[int, int] = {}
         self.seconds_by_rank: dict[int, float] = {}
@@ -314,9 +327,14 @@ class ShardReader(StorageReader):
                     f"shard of rank {rank} for step {self.manifest.step} is not available locally"
                 )
             with open(path, "rb") as f:
-                # Private copy-on-write mapping: writable for torch.frombuffer, never written back.
-                m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                # Read-only, shared, populated at once: the pages are the node store's own (tmpfs),
+                # mapped without the page faults of a private copy-on-write mapping.
+                m = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                              prot=mmap.PROT_READ)
             self._maps[rank] = m
+            kept = hostmem.lookup(str(path))
+            if kept is not None and kept.pinned:  # this process registered it: copies run at DMA speed
+                self._pinned[rank] = kept.view
         return m
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
@@ -334,6 +352,8 @@ class ShardReader(StorageReader):
                 for req, rec in reqs:
                     self._read_item(m, rank, req, rec, planner)
                 self.seconds_by_rank[rank] = time.perf_counter() - t0
+            if self._device_copies:  # the mappings must outlive the copies that read them
+                torch.cuda.synchronize()
         finally:
             self.close()
         fut: Future[None] = Future()
@@ -348,7 +368,15 @@ class ShardReader(StorageReader):
             return
         dtype = dtype_from_name(rec.dtype or "uint8")
         count = rec.length // dtype.itemsize
-        stored = torch.frombuffer(m, dtype=dtype, count=count, offset=rec.file_offset)
+        pinned = self._pinned.get(rank)
+        if pinned is not None and rec.file_offset + rec.length <= pinned.numel():
+            region = pinned[rec.file_offset:rec.file_offset + rec.length]
+            stored = region.view(dtype)
+        else:
+            pinned = None
+            with warnings.catch_warnings():  # read-only mapping: the tensor is only read
+                warnings.simplefilter("ignore", UserWarning)
+                stored = torch.frombuffer(m, dtype=dtype, count=count, offset=rec.file_offset)
         stored = stored.view(rec.shape or ())
         src = _narrow(stored, req.storage_offsets, req.lengths)
         target = planner.resolve_tensor(req).detach()
@@ -357,7 +385,11 @@ class ShardReader(StorageReader):
                 f"size mismatch for {req.storage_index.fqn}: snapshot chunk "
                 f"{tuple(src.size())} vs destination {tuple(target.size())}"
             )
-        target.copy_(src)
+        if target.is_cuda and pinned is not None:  # registered memory: an async DMA
+            target.copy_(src, non_blocking=True)
+            self._device_copies = True
+        else:
+            target.copy_(src)
         planner.commit_tensor(req, target)
         self._count(rank, src.numel() * src.element_size())
 

@@ -46,6 +46,7 @@ from aegis.errors import (
     StepOrderError,
     StoreFullError,
 )
+from aegis.snapshot import hostmem
 from aegis.snapshot.dcp_io import DEFAULT_CHUNK_BYTES, StagedShard, complete, stage
 from aegis.snapshot.erasure import (
     RS_DEFAULT_EC_TYPE,
@@ -68,6 +69,7 @@ from aegis.snapshot.manifest import (
 from aegis.snapshot.node_store import NodeStore, Slot
 from aegis.snapshot.placement import Placement, parity_groups
 from aegis.snapshot.shard import ShardLayout, check_blob, plan_layout
+from aegis.snapshot.staging import Fence, Stager
 from aegis.snapshot.transport import Recv, Send, Transport
 
 __all__ = ["SnapshotEngine", "SnapshotHandle", "SnapshotResult", "format_bytes"]
@@ -118,6 +120,8 @@ class SnapshotResult:
     encode_s: float = 0.0  # XOR parity: segments exchanged and folded into this rank's parity
     encode_compute_s: float = 0.0  # the part of encode_s spent in crc32c and XOR on this rank
     parity_bytes: int = 0  # XOR parity this rank holds
+    deferred_s: float = 0.0  # staging="async": from issuing the deferred copies to their end
+    pin_s: float = 0.0  # seconds spent registering own slots as pinned memory (background)
     error: str | None = None
     skipped: bool = False  # not committed because a node store was full (training goes on)
 
@@ -226,8 +230,11 @@ class SnapshotEngine:
         redundancy: str = "replica",
         group_size: int = 5,
         parity: int = 2,
+        staging: str = "sync",
     ) -> None:
         self.store = store
+        self.stager = Stager(staging)
+        self._fence: Fence | None = None  # the in-flight snapshot's deferred copies (async)
         # entry name -> kind, recorded in each manifest; the owner (the Manager) fills it in when
         # it builds the state dict, before the save that commits it
         self.state_kinds = state_kinds if state_kinds is not None else {}
@@ -250,6 +257,7 @@ class SnapshotEngine:
         self.upload_filter = upload_filter  # rank 0 decides which commits go to the durable tier
         self.on_commit = on_commit  # every rank, for each commit chosen for upload
         self._pinned: dict[int, int] = {}
+        self._pin_s = 0.0  # registration seconds not yet reported in a result
         ids = group.all_gather((node, domain or node), "node discovery")
         self.nodes: list[str] = [n for n, _ in ids]
         if redundancy not in ("replica", "xor", "rs"):
@@ -292,7 +300,8 @@ class SnapshotEngine:
                         f.unlink()
         self._planner = DefaultSavePlanner()
         self._plan: _Plan | None = None
-        self._pool: list[Slot] = [Slot(p) for p in store.free_slots(self.rank)]
+        keep_maps = self.stager.pins
+        self._pool: list[Slot] = [Slot(p, keep=keep_maps) for p in store.free_slots(self.rank)]
         self._replica_pool: list[Slot] = [Slot(p, "replica") for p in store.free_slots(self.rank, "replica")]
         self._parity_pool: list[Slot] = [Slot(p, "parity") for p in store.free_slots(self.rank, "parity")]
         self._next_slot = 1 + max(
@@ -305,6 +314,22 @@ class SnapshotEngine:
         self._executor = _DaemonWorker(f"aegis-snap-r{self.rank}")
         self._lock = threading.RLock()  # pools, slot names, committed list, pins
         self._closed = False
+        if keep_maps:
+            self._adopt_kept()
+
+    def _adopt_kept(self) -> None:
+        """Free slots this process mapped (and registered) under an earlier Manager, e.g. in the
+        previous in-process round, possibly under another rank number: renamed into this rank's
+        pool, so that their registration is not paid again."""
+        hostmem.sweep()
+        mine = {p.path for p in self._pool}
+        for path in sorted(self.store.slots_dir.glob("rank-*")):
+            if path in mine or hostmem.lookup(str(path)) is None:
+                continue
+            with contextlib.suppress(OSError):
+                slot = Slot(path, keep=True)
+                slot.move(self._slot_name("rank"))
+                self._pool.append(slot)
 
     # -- public --------------------------------------------------------------------------------
 
@@ -364,10 +389,13 @@ class SnapshotEngine:
         error: BaseException | None = None
         try:
             slot = self._take_slot(step, self._plan.layout)
-            staged = stage(step, self.rank, self._plan.layout, slot, planner)
+            staged = stage(step, self.rank, self._plan.layout, slot, planner, self.stager)
             result.copy_s = staged.copy_s
         except Exception as e:  # noqa: BLE001 - every rank must still take part in the commit
             error = e
+        self._fence = staged.fence if staged is not None else None
+        if self._fence is not None:  # async: the deferred copies run first on the worker
+            self._executor.submit(self._run_deferred, self._fence, step)
         result.blocking_s = time.perf_counter() - t0
         future = self._executor.submit(self._finish, result, slot, staged, error)
         handle = SnapshotHandle(step, future)
@@ -386,6 +414,22 @@ class SnapshotEngine:
             return None
         return inflight[0].wait()
 
+    def _run_deferred(self, fence: Fence, step: int) -> None:
+        try:
+            _fault.hit("deferred", step, self.rank)
+        finally:  # the fence is always resolved: an optimizer step may be waiting on it
+            self.stager.run_deferred(fence)
+
+    def order(self) -> None:
+        """What may overwrite the state next (an optimizer step) is ordered after the in-flight
+        snapshot's deferred copies (``staging="async"``): on CUDA the current stream waits for
+        them (the host does not), on a CPU state the host waits. A no-op otherwise. Called by the
+        Manager's optimizer step pre-hooks, on the training thread."""
+        fence = self._fence
+        if fence is not None:
+            fence.order()
+            self._fence = None
+
     def close(self) -> None:
         """Finish the in-flight snapshot, then release the slots (free ones are deleted)."""
         if self._closed:
@@ -396,7 +440,7 @@ class SnapshotEngine:
             self._closed = True
             self._executor.shutdown(wait=True)
             for slot in self._spares():
-                slot.close()
+                slot.close(keep=False)
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(slot.path)
             self._clear_spares()
@@ -404,7 +448,9 @@ class SnapshotEngine:
                 held: list[Slot | None] = [own, *replica_slots]
                 for s in held:
                     if s is not None:
-                        s.close()
+                        s.close(keep=False)
+            if self.stager.pins:
+                hostmem.sweep()
 
     def abort(self, *, begin: bool, timeout: float = 0.5) -> None:
         """Give up without collectives (in-process recovery: a peer is gone). ``begin=True``
@@ -426,9 +472,16 @@ class SnapshotEngine:
                 slots.extend(s for s in (own, *replica_slots) if s is not None)
             for slot in slots:
                 slot.close()
-            for slot in self._spares():
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(slot.path)
+            if not self.stager.pins:
+                # spares go; with device staging they stay with their mappings (kept by this
+                # process, registered) for the next round's engine (_adopt_kept)
+                for slot in self._spares():
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(slot.path)
+            else:
+                for slot in (*self._replica_pool, *self._parity_pool):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(slot.path)
             self._clear_spares()
             self._committed.clear()
             self._inflight = None
@@ -473,6 +526,8 @@ class SnapshotEngine:
             def prefault() -> None:
                 for s in later:
                     s.ensure(layout.tensor_end)
+                    if self.stager.pins:
+                        self._pin_s += s.pin() or 0.0
 
             self._executor.submit(prefault)
         return plan
@@ -515,7 +570,7 @@ class SnapshotEngine:
         return self.store.slot_path(self.rank, k, kind)
 
     def _new_slot(self) -> Slot:
-        return Slot(self._slot_name("rank"))
+        return Slot(self._slot_name("rank"), keep=self.stager.pins)
 
     def _take_slot(self, step: int, layout: ShardLayout) -> Slot:
         with self._lock:
@@ -558,6 +613,12 @@ class SnapshotEngine:
         record: ShardRecord | None = None
         err = f"{type(error).__name__}: {error}" if error is not None else None
         full = error is not None and is_store_full(error)  # only a full store on this rank?
+        if staged is not None and staged.fence is not None:
+            try:  # the deferred copies must be in the slot before anything reads it
+                staged.fence.wait()
+            except Exception as e:  # noqa: BLE001 - reported to rank 0
+                err = err or f"deferred copy: {type(e).__name__}: {e}"
+            result.deferred_s = staged.fence.seconds
         if staged is not None and err is None:
             try:
                 record = complete(staged, job=self.store.job, node=self.node)
@@ -650,6 +711,11 @@ class SnapshotEngine:
             except Exception as e:  # noqa: BLE001
                 result.error = f"eviction failed: {type(e).__name__}: {e}"
         result.commit_s = time.perf_counter() - tc
+        if self.stager.pins and not slot.pinned:
+            # the slot of a first save after a (re)plan was copied unpinned: register it now,
+            # off the training thread, for the saves that reuse it
+            self._pin_s += slot.pin() or 0.0
+        result.pin_s, self._pin_s = self._pin_s, 0.0
         result.background_s = time.perf_counter() - t0
         self._report(result)
         return result
@@ -996,3 +1062,5 @@ class SnapshotEngine:
                 self.store._rmdir_if_empty(step)
             elif self.is_leader:
                 self.store.remove_step(step)  # from an earlier run: nobody maps its files
+        if self.stager.pins:
+            hostmem.sweep()  # a kept mapping of a removed step (another rank's, or a leader's)

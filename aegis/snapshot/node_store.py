@@ -25,6 +25,7 @@ import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import crc32c
 import torch
@@ -36,6 +37,7 @@ from aegis.errors import (
     ManifestError,
     StoreFullError,
 )
+from aegis.snapshot import hostmem
 from aegis.snapshot.manifest import Manifest, ShardRecord
 from aegis.snapshot.shard import (
     FOOTER_SIZE,
@@ -323,16 +325,22 @@ class Slot:
     """A shard file whose tensor region is mapped once and reused across snapshots.
 
     The file moves between the free pool and step directories by rename; the mapping (and the
-    resident pages) stay with the inode.
+    resident pages) stay with the inode. With ``keep`` (device staging) the mapping also
+    outlives this object: :meth:`close_map` hands it to the process (:mod:`.hostmem`), and a
+    Slot opened later on the same file takes it back, registered as pinned memory if it was
+    (:meth:`pin`), instead of mapping and registering again.
     """
 
-    def __init__(self, path: Path, kind: str = "rank") -> None:
+    def __init__(self, path: Path, kind: str = "rank", *, keep: bool = False) -> None:
         self.path = path
         self.kind = kind  # "rank" (own shards), "replica" or "parity": the pool it returns to
+        self.keep = keep
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         self.capacity = 0
+        self.pinned = False  # registered with the device runtime (hostmem.register)
         self._map: mmap.mmap | None = None
         self._view: torch.Tensor | None = None
+        self._views: tuple[int, Any, list[torch.Tensor]] | None = None  # see item_views
 
     def ensure(self, nbytes: int, *, prefault: bool = True) -> None:
         """Map exactly ``nbytes``; with ``prefault`` the pages are allocated now, not on the
@@ -340,7 +348,11 @@ class Slot:
         cap = max(nbytes, 1)  # exactly: the file grows past it on every save, never shrinks into it
         if cap == self.capacity and self._map is not None:
             return
-        self.close_map()
+        self.close_map(keep=False)
+        kept = hostmem.take(self.fd, cap)
+        if kept is not None:  # this process mapped (and maybe registered) the file before
+            self._map, self._view, self.capacity, self.pinned = kept.mm, kept.view, cap, kept.pinned
+            return
         os.ftruncate(self.fd, cap)
         flags = mmap.MAP_SHARED
         if prefault:
@@ -365,6 +377,32 @@ class Slot:
         return self._view
 
     @property
+    def mapped(self) -> bool:
+        return self._map is not None
+
+    def item_views(self, layout: Any) -> list[torch.Tensor]:
+        """Typed views of the slot at each tensor item's planned offset (``layout``: a
+        :class:`~aegis.snapshot.shard.ShardLayout`), made once per mapping and layout: a save
+        then spends nothing per item on slicing."""
+        key = id(layout)
+        if self._views is None or self._views[0] != key or self._views[1] is not layout:
+            view = self.view
+            self._views = (key, layout, [
+                view[t.file_offset:t.file_offset + t.nbytes].view(t.dtype).view(t.shape)
+                for t in layout.tensors])
+        return self._views[2]
+
+    def pin(self) -> float | None:
+        """Register the mapping as pinned memory for device copies (once: a no-op when it is);
+        the seconds it took, or None when nothing was registered now (no device, refused, or
+        pinned already)."""
+        if self.pinned or self._view is None:
+            return None
+        seconds = hostmem.register(int(self._view.data_ptr()), self.capacity)
+        self.pinned = seconds is not None
+        return seconds
+
+    @property
     def memory(self) -> memoryview:
         assert self._map is not None
         return memoryview(self._map)
@@ -385,15 +423,27 @@ class Slot:
         os.pwrite(self.fd, tail, tail_offset)
         return size
 
-    def close_map(self) -> None:
-        self._view = None
-        if self._map is not None:
+    def close_map(self, *, keep: bool | None = None) -> None:
+        """Unmap (and unregister), or with ``keep`` (default: the Slot's) hand the mapping to
+        the process for a later Slot on the same file."""
+        keep = self.keep if keep is None else keep
+        self._views = None
+        if self._map is not None and self._view is not None and keep:
+            ino = os.fstat(self.fd)
+            hostmem.keep(hostmem.Kept(self._map, self._view, self.capacity, self.pinned,
+                                      str(self.path), (ino.st_dev, ino.st_ino)))
+        elif self._map is not None:
+            if self.pinned and self._view is not None:
+                hostmem.unregister(int(self._view.data_ptr()), self.capacity)
+            self._view = None
             with contextlib.suppress(BufferError):
                 self._map.close()
-            self._map = None
+        self._view = None
+        self._map = None
+        self.pinned = False
         self.capacity = 0
 
-    def close(self) -> None:
-        self.close_map()
+    def close(self, *, keep: bool | None = None) -> None:
+        self.close_map(keep=keep)
         with contextlib.suppress(OSError):
             os.close(self.fd)

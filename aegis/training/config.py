@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
@@ -39,6 +39,14 @@ class ManagerConfig:
         group_size to 2 * group_size - 1 members are formed when the nodes do not divide evenly).
     parity: with ``redundancy="rs"``: lost nodes per group it rebuilds (>= 1; group_size must
         be at least parity + 2).
+    staging: how ``save()`` copies the state into host memory (:mod:`aegis.snapshot.staging`):
+        ``"sync"`` (default: every copy done before ``save()`` returns; device tensors into
+        pageable memory), ``"pinned"`` (own slots registered as pinned memory once per process,
+        in the background; device copies ``non_blocking`` on a side stream, waited for), or
+        ``"async"`` (like pinned, but the tensors the optimizers update are copied after
+        ``save()`` returns; the next ``optimizer.step()``, ``save()``, ``restore()`` and
+        ``close()`` wait for the copies). ``$AEGIS_STAGING`` sets the default. ``pinned`` and
+        ``async`` are opt-in until a GPU run has verified them (docs/architecture.md 3.1).
     store_dir: node store root (a tmpfs); default ``$AEGIS_STORE_DIR`` or ``/dev/shm/aegis``.
     timeout: bound on every snapshot collective; a peer silent for longer is declared gone.
     chunk_bytes: checksum/compression unit of a shard.
@@ -75,6 +83,7 @@ class ManagerConfig:
     redundancy: str = "replica"
     group_size: int = 5
     parity: int = 2
+    staging: str = field(default_factory=lambda: os.environ.get("AEGIS_STAGING", "sync"))
     store_dir: str | os.PathLike[str] | None = None
     timeout: timedelta = timedelta(minutes=5)
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
@@ -132,6 +141,10 @@ class ManagerConfig:
             raise ConfigError(f"group_size={self.group_size} with parity={self.parity}: a "
                               f"Reed-Solomon group needs at least parity + 2 = {self.parity + 2} "
                               "nodes (2 data pieces per stripe); raise group_size or lower parity")
+        if self.staging not in ("sync", "pinned", "async"):
+            raise ConfigError(f"staging={self.staging!r}: use 'sync' (copy before save() returns), "
+                              "'pinned' (pinned host memory, copies waited for) or 'async' (save() "
+                              "returns once the copies are issued); $AEGIS_STAGING sets the default")
         if not isinstance(self.timeout, timedelta) or self.timeout.total_seconds() <= 0:
             raise ConfigError(f"timeout={self.timeout!r}: must be a positive datetime.timedelta")
         if (

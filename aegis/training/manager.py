@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.tensor import DTensor
 
 from aegis._dist import Group, new_snapshot_group, node_id
 from aegis.errors import (
@@ -44,6 +45,7 @@ from aegis.snapshot.engine import SnapshotEngine, SnapshotHandle, SnapshotResult
 from aegis.snapshot.manifest import Manifest, TensorEntry, dtype_from_name
 from aegis.snapshot.node_store import NodeStore
 from aegis.snapshot.objstore import open_store
+from aegis.snapshot.staging import Deferral
 from aegis.snapshot.transport import GlooTransport
 from aegis.training import inprocess
 from aegis.training.config import ManagerConfig
@@ -87,6 +89,7 @@ class Manager:
         redundancy: str = "replica",
         group_size: int = 5,
         parity: int = 2,
+        staging: str | None = None,
         store_dir: str | None = None,
         timeout: timedelta = timedelta(minutes=5),
         chunk_bytes: int | None = None,
@@ -103,6 +106,8 @@ class Manager:
         if unknown:
             raise TypeError(f"Manager() got unexpected keyword argument(s) {unknown}")
         extra: dict[str, Any] = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
+        if staging is not None:
+            extra["staging"] = staging
         self.config = ManagerConfig(
             job=job, every=every, keep=keep, replicas=replicas, redundancy=redundancy,
             group_size=group_size, parity=parity, store_dir=store_dir, timeout=timeout,
@@ -152,6 +157,7 @@ class Manager:
             redundancy=self.config.redundancy,
             group_size=self.config.group_size,
             parity=self.config.parity,
+            staging=self.config.staging,
             transport=self.transport,
             on_result=self._on_snapshot,
             mesh={"world_size": self.world},
@@ -161,6 +167,15 @@ class Manager:
             state_kinds=self._kinds,
         )
         self._existing = self._find_existing()
+        # staging="async": the tensors the optimizers update are copied after save() returns;
+        # each optimizer's next step waits for those copies first
+        self._hooks: list[Any] = []
+        if self.config.staging == "async":
+            self.engine.stager.deferral = self._deferral
+            for obj in self.state.values():
+                if isinstance(obj, ModelOptimizerState):
+                    for opt in obj.optimizers:
+                        self._hooks.append(opt.register_step_pre_hook(self._before_step))
         if inprocess.in_process_round():
             inprocess.register_manager(self)
             self.engine.vote = inprocess.joiners_registered
@@ -460,6 +475,33 @@ class Manager:
             )
         return result.step
 
+    def _before_step(self, *_: Any) -> None:
+        self.engine.order()
+
+    def _deferral(self) -> Deferral:
+        """The storages the optimizers update in place (parameters and optimizer state): their
+        only writer is ``optimizer.step()``, which waits for the copies (``_before_step``)."""
+        storages: set[int] = set()
+        for obj in self.state.values():
+            if not isinstance(obj, ModelOptimizerState):
+                continue
+            for opt in obj.optimizers:
+                for group in opt.param_groups:
+                    for p in group["params"]:
+                        local = p._local_tensor if isinstance(p, DTensor) else p
+                        storages.add(local.untyped_storage().data_ptr())
+                        for v in opt.state.get(p, {}).values():
+                            if isinstance(v, torch.Tensor):
+                                t = v._local_tensor if isinstance(v, DTensor) else v
+                                storages.add(t.untyped_storage().data_ptr())
+        return Deferral(frozenset(storages))
+
+    def _remove_hooks(self) -> None:
+        for h in self._hooks:
+            with contextlib.suppress(Exception):
+                h.remove()
+        self._hooks.clear()
+
     def _restored(self, step: int) -> None:
         self._last_snap_step = self._durable_mark = step
         self._auto_ref = (time.perf_counter(), step)
@@ -554,6 +596,15 @@ class Manager:
         """Wait until the in-flight snapshot is committed; re-raise its error. Collective."""
         return self.engine.wait()
 
+    def fence(self) -> None:
+        """``staging="async"`` only: make changes to parameters or optimizer state that do not
+        go through ``optimizer.step()`` safe for the snapshot still being copied. Call it before
+        such an in-place change (an EMA written into the parameters, a manual clamp, loading
+        weights) between ``save()`` and the next ``optimizer.step()``; the step itself does this
+        on its own. On CUDA the current stream waits for the copies (the host does not); on a
+        CPU state the host waits. Not collective; a no-op in the other modes."""
+        self.engine.order()
+
     def close(self) -> None:
         """Finish the in-flight snapshot and release resources. Collective. Committed snapshots
         stay in the node store."""
@@ -578,6 +629,7 @@ class Manager:
                             )
                 finally:
                     self.engine.close()
+                    self._remove_hooks()
         finally:
             if self.durable_store is not None:
                 self.durable_store.close()
@@ -592,6 +644,7 @@ class Manager:
         (``begin=True`` before it destroys the process groups, ``begin=False`` after). Not for
         ordinary use: ``close()`` is the collective, orderly end."""
         self._closed = True
+        self._remove_hooks()
         self.engine.abort(begin=begin)
         if self.uploader is not None:
             if begin:

@@ -1,0 +1,201 @@
+"""Host memory that device copies use at full speed, registered once per process.
+
+A device-to-host copy into pageable memory goes through the driver's bounce buffers (18 GB/s
+on an H200) and blocks the host; into page-locked memory it is one DMA at the link's speed
+(55 GB/s) and can be asynchronous. Node-store slots are ``MAP_SHARED`` mappings of tmpfs files
+(so a snapshot survives its process); ``cudaHostRegister`` page-locks such a mapping in place,
+at its exact size (torch's caching host allocator would round up to a power of two and could
+not map a file). Measured in ``bench/gpu_check.py``: a registered, pre-faulted tmpfs mapping
+copies at the pinned floor.
+
+Registration costs about as much as copying the bytes once or twice (the driver pins every
+page), so it is done once per slot and per process, in the background, and a registered
+mapping outlives the Manager that made it: :func:`keep` hands it to this process's cache when
+its :class:`~aegis.snapshot.node_store.Slot` closes (an in-process recovery round closes every
+slot), and a Slot opened later on the same file (same inode) takes it back with :func:`take`,
+mapped and registered. :func:`sweep` releases kept mappings whose file was deleted or replaced,
+so that no deleted file's memory stays held.
+
+ROCm builds expose the same calls under ``torch.cuda`` (HIP). Without a device nothing here
+registers; the cache still keeps mappings (the CPU path uses it only when ``staging`` asks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["available", "register", "unregister", "Kept", "keep", "take", "sweep", "stats",
+           "release_all"]
+
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every context of the process
+
+
+def available() -> bool:
+    """A CUDA (or ROCm) device this process can register host memory for."""
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:  # noqa: BLE001 - a broken install has no device
+        return False
+
+
+_lock = threading.Lock()
+_stats = {"registered_bytes": 0, "register_s": 0.0, "registrations": 0, "failures": 0,
+          "reused": 0, "released": 0}
+_last_error: list[str] = []
+
+
+def register(address: int, nbytes: int) -> float | None:
+    """Page-lock ``nbytes`` at ``address`` (a mapping's start) for device copies. Returns the
+    seconds it took, or None when it could not (no device, or the runtime refused: the error is
+    kept in :func:`stats`, and copies stay correct at pageable speed)."""
+    if nbytes <= 0 or not available():
+        return None
+    import torch
+
+    t0 = time.perf_counter()
+    try:
+        rc = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, _HOST_REGISTER_PORTABLE))
+    except Exception as e:  # noqa: BLE001 - the copy falls back to pageable memory
+        rc, err = -1, f"{type(e).__name__}: {e}"
+    else:
+        err = f"cudaHostRegister returned error {rc}"
+    seconds = time.perf_counter() - t0
+    with _lock:
+        if rc != 0:
+            _stats["failures"] += 1
+            _last_error[:] = [f"{err} for {nbytes} bytes"]
+            return None
+        _stats["registered_bytes"] += nbytes
+        _stats["register_s"] += seconds
+        _stats["registrations"] += 1
+    return seconds
+
+
+def unregister(address: int, nbytes: int) -> None:
+    if not available():
+        return
+    import torch
+
+    with contextlib.suppress(Exception):
+        torch.cuda.cudart().cudaHostUnregister(address)
+    with _lock:
+        _stats["registered_bytes"] -= nbytes
+
+
+def stats() -> dict[str, Any]:
+    """What this process registered: bytes now, seconds and count in all, failures, reuses."""
+    with _lock:
+        out: dict[str, Any] = dict(_stats)
+        out["kept"] = len(_kept)
+        if _last_error:
+            out["last_error"] = _last_error[0]
+        return out
+
+
+@dataclass
+class Kept:
+    """A mapping of a slot file that outlives its Slot object."""
+
+    mm: mmap.mmap
+    view: Any  # torch.frombuffer over mm (uint8)
+    capacity: int
+    pinned: bool
+    path: str  # where the file was when it was kept (a Slot that takes it may rename it)
+    inode: tuple[int, int]
+
+
+_kept: dict[tuple[int, int], Kept] = {}
+
+
+def _inode(fd_or_path: int | str) -> tuple[int, int] | None:
+    try:
+        st = os.fstat(fd_or_path) if isinstance(fd_or_path, int) else os.stat(fd_or_path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def keep(entry: Kept) -> None:
+    """Hand a closing Slot's mapping to the process (see the module docstring)."""
+    with _lock:
+        old = _kept.pop(entry.inode, None)
+        _kept[entry.inode] = entry
+    if old is not None and old.mm is not entry.mm:
+        _release(old)
+
+
+def take(fd: int, capacity: int) -> Kept | None:
+    """The kept mapping of the file open as ``fd``, if it has exactly ``capacity`` bytes mapped
+    (a Slot's ``ensure``); else None (a kept mapping of another size is released)."""
+    ino = _inode(fd)
+    if ino is None:
+        return None
+    with _lock:
+        entry = _kept.pop(ino, None)
+        if entry is not None and entry.capacity == capacity:
+            _stats["reused"] += 1
+            return entry
+    if entry is not None:
+        _release(entry)
+    return None
+
+
+def lookup(path: str) -> Kept | None:
+    """The kept mapping of the file at ``path`` (a restore reads committed shards through it:
+    registered memory copies to the device at full speed), without taking it."""
+    ino = _inode(path)
+    if ino is None:
+        return None
+    with _lock:
+        return _kept.get(ino)
+
+
+def _release(entry: Kept) -> None:
+    if entry.pinned:
+        unregister(_address(entry.view), entry.capacity)
+    entry.view = None
+    with contextlib.suppress(BufferError, ValueError):
+        entry.mm.close()
+    with _lock:
+        _stats["released"] += 1
+
+
+def _address(view: Any) -> int:
+    return int(view.data_ptr())
+
+
+def sweep() -> int:
+    """Release kept mappings whose file is gone or replaced (removed by an eviction, a cleanup,
+    another rank's restore): their memory would stay held by this process otherwise. Returns
+    how many were released. O(kept mappings), a stat each."""
+    with _lock:
+        entries = list(_kept.values())
+    gone = []
+    for e in entries:
+        if _inode(e.path) != e.inode:
+            gone.append(e)
+    for e in gone:
+        with _lock:
+            if _kept.get(e.inode) is e:
+                del _kept[e.inode]
+            else:
+                continue
+        _release(e)
+    return len(gone)
+
+
+def release_all() -> None:
+    """Release every kept mapping (the end of training in this process)."""
+    with _lock:
+        entries = list(_kept.values())
+        _kept.clear()
+    for e in entries:
+        _release(e)
