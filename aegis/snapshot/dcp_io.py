@@ -20,7 +20,7 @@ import mmap
 import os
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.planner import (
     ReadItem,
     SavePlan,
     SavePlanner,
+    WriteItem,
 )
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
@@ -97,12 +98,13 @@ class StagedShard:
     fence: Fence | None = None  # staging="async": the copies still in flight (wait before crc)
 
 
-def stage(step: int, rank: int, layout: ShardLayout, slot: Slot, planner: SavePlanner,
-          stager: Stager | None = None) -> StagedShard:
+def stage(step: int, rank: int, layout: ShardLayout, slot: Slot,
+          resolve: Callable[[WriteItem], Any], stager: Stager | None = None) -> StagedShard:
     """Copy the rank's state into ``slot``. The only part of a save that blocks training.
 
     Tensors land at their planned offsets (one copy, no intermediate buffer); byte items are
-    serialized by the planner (DCP's ``torch.save`` of small objects). With a ``stager`` in
+    serialized (DCP's ``torch.save`` of small objects). ``resolve`` is the planner's
+    ``resolve_data`` or the engine's cached equivalent. With a ``stager`` in
     ``pinned`` or ``async`` mode, device tensors go ``non_blocking`` into the (registered) slot,
     and in ``async`` mode the tensors the optimizers update are left to the returned shard's
     ``fence`` (see :mod:`aegis.snapshot.staging`).
@@ -112,7 +114,7 @@ def stage(step: int, rank: int, layout: ShardLayout, slot: Slot, planner: SavePl
     views = slot.item_views(layout)
     pairs = []
     for t, dst in zip(layout.tensors, views, strict=True):
-        src = planner.resolve_data(t.item)
+        src = resolve(t.item)
         assert isinstance(src, torch.Tensor)
         pairs.append((dst, src))
     split = stager.split(pairs)
@@ -123,7 +125,7 @@ def stage(step: int, rank: int, layout: ShardLayout, slot: Slot, planner: SavePl
     fence = stager.begin_deferred(split.later, slot.pinned) if stager.mode == "async" else None
     payloads = []
     for item in layout.byte_items:
-        data = planner.resolve_data(item)
+        data = resolve(item)
         assert isinstance(data, io.BytesIO)
         payloads.append(data.getvalue())
     return StagedShard(step, rank, layout, slot, payloads, time.perf_counter() - t0, fence=fence)
@@ -236,7 +238,8 @@ class ShardWriter(StorageWriter):
         slot = Slot(path)
         try:
             slot.ensure(layout.tensor_end)
-            record = complete(stage(self.step, self.rank, layout, slot, planner), job=self.store.job,
+            record = complete(stage(self.step, self.rank, layout, slot, planner.resolve_data),
+                              job=self.store.job,
                               node=self.node)
         finally:
             slot.close()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import io
 import os
 import queue
 import threading
@@ -33,7 +34,10 @@ from typing import Any
 
 import crc32c as _crc32c
 import torch
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint._traverse import get_element
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
 from aegis import _fault
@@ -152,19 +156,107 @@ class _Plan:
     layout: ShardLayout
     entries: dict[str, TensorEntry | BytesEntry] = field(default_factory=dict)
     planner_data: dict[str, tuple[str | int, ...]] = field(default_factory=dict)
+    fast: bool = False  # sources resolved by _resolver, not DCP's planner
+
+
+def _fp(k: str, v: Any) -> tuple[Any, ...]:
+    if isinstance(v, DTensor):
+        local = v._local_tensor
+        return (k, "d", v.dtype, tuple(v.shape), tuple(local.shape), v.device_mesh.size())
+    if isinstance(v, torch.Tensor):
+        return (k, "t", v.dtype, tuple(v.shape))
+    return (k, "o")
 
 
 def _fingerprint(flat: dict[str, Any]) -> tuple[Any, ...]:
-    out: list[tuple[Any, ...]] = []
-    for k, v in flat.items():
-        if isinstance(v, DTensor):
-            local = v._local_tensor
-            out.append((k, "d", v.dtype, tuple(v.shape), tuple(local.shape), v.device_mesh.size()))
-        elif isinstance(v, torch.Tensor):
-            out.append((k, "t", v.dtype, tuple(v.shape)))
-        else:
-            out.append((k, "o"))
-    return tuple(out)
+    return tuple(_fp(k, v) for k, v in flat.items())
+
+
+class _Flattener:
+    """DCP's ``flatten_state_dict`` of the state, with the subtrees that the owner declares
+    *stable* (``stable``: (top key, entry name) pairs; the Manager's ``ModelOptimizerState``
+    entries, whose ``state_dict()`` hands back the very same object while every tensor in it is
+    the same live tensor) flattened once: on a later save their tensor leaves and fingerprint
+    are reused, and only their non-tensor leaves (optimizer hyperparameters a scheduler changes)
+    are read again through their paths. Flattening and fingerprinting a 384-parameter model's
+    state every save cost about 5 ms here."""
+
+    def __init__(self) -> None:
+        self.stable: set[tuple[str, str]] = set()
+        self._cache: dict[tuple[str, str], tuple[Any, list[tuple[str, tuple[Any, ...], Any]],
+                                                 list[tuple[Any, ...]]]] = {}
+
+    def flatten(self, sd: dict[str, Any]) -> tuple[dict[str, Any], tuple[Any, ...]]:
+        flat: dict[str, Any] = {}
+        fp: list[tuple[Any, ...]] = []
+        for top, sub in sd.items():
+            if not isinstance(sub, dict):
+                part, _ = flatten_state_dict({top: sub})
+                flat.update(part)
+                fp.extend(_fp(k, v) for k, v in part.items())
+                continue
+            for name, val in sub.items():
+                key = (top, name)
+                hit = self._cache.get(key) if key in self.stable else None
+                if hit is not None and hit[0] is val:
+                    fresh = self._refresh(sd, hit[1])
+                    if fresh is not None:
+                        flat.update(fresh)
+                        fp.extend(hit[2])
+                        continue
+                part, paths = flatten_state_dict({top: {name: val}})
+                flat.update(part)
+                prints = [_fp(k, v) for k, v in part.items()]
+                fp.extend(prints)
+                if key in self.stable:
+                    self._cache[key] = (val, [(k, tuple(paths[k]), v) for k, v in part.items()],
+                                        prints)
+        return flat, tuple(fp)
+
+    @staticmethod
+    def _refresh(sd: dict[str, Any], items: list[tuple[str, tuple[Any, ...], Any]]
+                 ) -> dict[str, Any] | None:
+        out: dict[str, Any] = {}
+        for k, path, v in items:
+            if isinstance(v, torch.Tensor):
+                out[k] = v
+                continue
+            try:
+                now = get_element(sd, path)
+            except Exception:  # noqa: BLE001 - the structure changed: flatten again
+                return None
+            if isinstance(now, torch.Tensor):
+                return None
+            out[k] = now
+        return out
+
+
+def _resolver(flat: dict[str, Any]) -> Callable[[WriteItem], Any]:
+    """``DefaultSavePlanner.resolve_data`` for a state of DTensors, tensors and objects, without
+    DCP's per-item lookups (``to_local()`` goes through autograd, about 10 us an item): a
+    DTensor's local tensor, a tensor itself, an object ``torch.save``d into a buffer."""
+
+    def resolve(item: WriteItem) -> Any:
+        obj = flat[item.index.fqn]
+        if item.type == WriteItemType.BYTE_IO:
+            buf = io.BytesIO()
+            torch.save(obj, buf)
+            return buf
+        if isinstance(obj, DTensor):
+            return obj._local_tensor
+        return obj
+
+    return resolve
+
+
+def _fast_resolvable(flat: dict[str, Any], layout: ShardLayout) -> bool:
+    """Every tensor item is a DTensor or a plain tensor (one chunk each): what :func:`_resolver`
+    handles exactly like DCP; anything else (a ShardedTensor) goes through the planner."""
+    return all(type(flat.get(t.item.index.fqn)) is DTensor or (
+        isinstance(flat.get(t.item.index.fqn), torch.Tensor)
+        and not isinstance(flat.get(t.item.index.fqn), DTensor)
+        and not hasattr(flat.get(t.item.index.fqn), "__get_tensor_shard__"))
+        for t in layout.tensors)
 
 
 class _DaemonWorker:
@@ -299,6 +391,7 @@ class SnapshotEngine:
                     if int(f.name.split("-", 1)[1].split(".", 1)[0]) not in local:
                         f.unlink()
         self._planner = DefaultSavePlanner()
+        self._flat = _Flattener()  # the Manager marks its stable entries in _flat.stable
         self._plan: _Plan | None = None
         keep_maps = self.stager.pins
         self._pool: list[Slot] = [Slot(p, keep=keep_maps) for p in store.free_slots(self.rank)]
@@ -363,8 +456,7 @@ class SnapshotEngine:
         if callable(state_dict):
             state_dict = state_dict()
         planner = self._planner
-        planner.set_up_planner(state_dict, storage_meta=None, is_coordinator=self.rank == 0)
-        fingerprint = _fingerprint(planner.state_dict)
+        flat, fingerprint = self._flat.flatten(state_dict)
         changed = self._plan is None or fingerprint != self._plan.fingerprint
         vote = [self.vote()] if self.vote is not None else []
         any_changed, hi, neg_lo, *voted = self.group.all_reduce_max(
@@ -378,9 +470,17 @@ class SnapshotEngine:
         plan_s = 0.0
         if any_changed:
             tp = time.perf_counter()
+            planner.set_up_planner(state_dict, storage_meta=None, is_coordinator=self.rank == 0)
             self._plan = self._make_plan(planner, fingerprint)
+            self._plan.fast = _fast_resolvable(flat, self._plan.layout)
             plan_s = time.perf_counter() - tp
         assert self._plan is not None
+        if self._plan.fast:
+            resolve = _resolver(flat)
+        else:
+            if not any_changed:
+                planner.set_up_planner(state_dict, storage_meta=None, is_coordinator=self.rank == 0)
+            resolve = planner.resolve_data
         self.last_step = step
         result = SnapshotResult(step=step, rank=self.rank, node=self.node, wait_s=wait_s, plan_s=plan_s,
                                 tensor_bytes=self._plan.layout.tensor_bytes)
@@ -389,7 +489,7 @@ class SnapshotEngine:
         error: BaseException | None = None
         try:
             slot = self._take_slot(step, self._plan.layout)
-            staged = stage(step, self.rank, self._plan.layout, slot, planner, self.stager)
+            staged = stage(step, self.rank, self._plan.layout, slot, resolve, self.stager)
             result.copy_s = staged.copy_s
         except Exception as e:  # noqa: BLE001 - every rank must still take part in the commit
             error = e

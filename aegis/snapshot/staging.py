@@ -109,6 +109,8 @@ class Stager:
         self.deferral: Callable[[], Deferral] | None = None  # set by the Manager
         self._side: Any = None
         self._device: int | None = None
+        # the last split: (deferral, the sources' ids, which items were deferred)
+        self._last: tuple[Deferral, list[int], list[bool]] | None = None
 
     @property
     def pins(self) -> bool:
@@ -120,13 +122,26 @@ class Stager:
         if self.mode != "async":
             out.now = list(pairs)
             return out
-        deferrable = self.deferral().storages if self.deferral is not None else frozenset()
+        deferral = self.deferral() if self.deferral is not None else Deferral()
+        ids = [id(src) for _, src in pairs]
         any_cuda = any(src.is_cuda for _, src in pairs)
-        for dst, src in pairs:
+
+        def decide(src: torch.Tensor) -> bool:
             # on a CUDA state only device tensors are deferred (a CPU step counter is updated
             # by the host during the step, which a stream wait does not guard)
-            eligible = (src.is_cuda or not any_cuda) and _storage(src) in deferrable
-            (out.later if eligible else out.now).append((dst, src))
+            return (src.is_cuda or not any_cuda) and _storage(src) in deferral.storages
+
+        last = self._last
+        if last is not None and last[0] is deferral and len(last[1]) == len(ids):
+            # the same source object as at the last save: the same decision (an object's
+            # storage cannot change while the deferral, built from the same tensors, is reused)
+            mask = [m if a == b else decide(src) for a, b, m, (_, src)
+                    in zip(ids, last[1], last[2], pairs, strict=True)]
+        else:
+            mask = [decide(src) for _, src in pairs]
+        self._last = (deferral, ids, mask)
+        for pair, later in zip(pairs, mask, strict=True):
+            (out.later if later else out.now).append(pair)
         return out
 
     def _stream(self, device: torch.device) -> Any:

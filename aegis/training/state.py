@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from aegis.errors import ConfigError
 
@@ -83,6 +84,8 @@ class ModelOptimizerState:
             self.optimizers = tuple(optimizers)
         self.model = model
         self.options = options
+        # the last state dict and what it was built from (see state_dict)
+        self._cache: tuple[list[Any], list[int], list[Any], dict[str, Any]] | None = None
 
     def prepare_for_load(self) -> None:
         """Give empty Adam/AdamW optimizers their state tensors (zeros) so that DCP has
@@ -107,15 +110,60 @@ class ModelOptimizerState:
                     if group.get("amsgrad"):
                         st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
+    def _sources(self) -> tuple[list[Any], list[int], list[Any]]:
+        """What the state dict is made of: the parameter and buffer objects, the data pointers of
+        their (local) tensors, and every optimizer state value, in order."""
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        ptrs = [(t._local_tensor if isinstance(t, DTensor) else t).data_ptr() for t in tensors]
+        values: list[Any] = []
+        for optim in self.optimizers:
+            values.append(len(optim.param_groups))
+            for group in optim.param_groups:
+                for p in group["params"]:
+                    values.extend(optim.state[p].values() if p in optim.state else ())
+        return tensors, ptrs, values
+
     def state_dict(self) -> dict[str, Any]:
+        """DCP's ``get_state_dict`` of the model and optimizers: views of the live tensors.
+
+        Rebuilding it costs about 40 us per parameter (14 ms for 384 parameters here), at every
+        snapshot. So the last one is kept, with the objects it was built from, and given again
+        while every parameter, buffer and optimizer state value is the same object over the same
+        storage (checked by identity, about 1 us each): the tensors in it are views of those very
+        tensors. Only the optimizer's hyperparameters (a scheduler changes ``lr``) are copied in
+        again. Anything replaced (a new parameter, ``p.data = ...``, a new state value such as a
+        Python int step) rebuilds it. Options that copy (full or CPU-offloaded state dicts)
+        always rebuild."""
+        opts = self.options
+        cacheable = opts is None or not (opts.full_state_dict or opts.cpu_offload)
+        if cacheable and self._cache is not None:
+            tensors, ptrs, values, sd = self._cache
+            now_t, now_p, now_v = self._sources()
+            if (len(now_t) == len(tensors) and len(now_v) == len(values) and now_p == ptrs
+                    and all(a is b for a, b in zip(now_t, tensors, strict=True))
+                    and all(a is b for a, b in zip(now_v, values, strict=True))):
+                if self.optimizers:
+                    groups = [g for o in self.optimizers for g in o.param_groups]
+                    for cached, live in zip(sd["optim"]["param_groups"], groups, strict=True):
+                        for k, v in live.items():
+                            if k != "params":
+                                cached[k] = v
+                return sd
         if not self.optimizers:
             from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-            return {"model": get_model_state_dict(self.model, options=self.options)}
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizers, options=self.options)
-        return {"model": model_sd, "optim": optim_sd}
+            sd = {"model": get_model_state_dict(self.model, options=opts)}
+        else:
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizers, options=opts)
+            sd = {"model": model_sd, "optim": optim_sd}
+        if cacheable:
+            groups = [g for o in self.optimizers for g in o.param_groups]
+            if not self.optimizers or len(sd["optim"].get("param_groups", [])) == len(groups):
+                self._cache = (*self._sources(), sd)
+        return sd
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._cache = None
         if not self.optimizers:
             from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
