@@ -197,3 +197,36 @@ def test_staging_mode_is_checked(store_dir: Path) -> None:
         assert ManagerConfig(job="j").staging == "async"
     finally:
         del os.environ["AEGIS_STAGING"]
+
+
+def _replaced_tensors(rank: int, world: int, store: str) -> dict[str, Any]:
+    model, opt, sched = build(world, seed=0)
+    mgr = _mgr(store, model, opt, sched, "sync")
+    mgr.restore()
+    for step in (1, 2):
+        train_step(model, opt, sched, step, rank)
+        mgr.save(step)
+    # the cached state dict must not survive these: a parameter's storage replaced, and an
+    # optimizer state tensor replaced by another object
+    p = next(model.parameters())
+    with torch.no_grad():
+        p.data = p.data.clone() * 3
+    st = opt.state[next(iter(opt.state))]
+    st["exp_avg"] = st["exp_avg"].clone() + 1
+    mgr.save(3)
+    saved = _tensors(full_state(model, opt))
+    mgr.close()
+    model2, opt2, sched2 = build(world, seed=9)
+    mgr2 = _mgr(store, model2, opt2, sched2, "sync")
+    assert mgr2.restore() == 3
+    restored = _tensors(full_state(model2, opt2))
+    mgr2.close()
+    assert_bitwise_equal(saved, restored)
+    return {}
+
+
+def test_replaced_parameters_and_optimizer_state_are_snapshotted(store_dir: Path) -> None:
+    """ModelOptimizerState reuses its state dict only while every tensor is the same object
+    over the same storage: a parameter whose ``.data`` was replaced and a new optimizer state
+    tensor are in the next snapshot (both fail when the reuse ignores them)."""
+    run_ranks(2, _replaced_tensors, str(store_dir))
