@@ -3,6 +3,11 @@
 Import surface for training scripts::
 
     from aegis import Manager, ModelOptimizerState
+
+and for reading snapshots outside a job (a notebook, an evaluation job)::
+
+    snap = aegis.open("s3://bucket/ckpt", job="llama").latest()
+    snap.load_into(model)
 """
 
 from typing import TYPE_CHECKING, Any
@@ -23,6 +28,9 @@ from aegis.errors import (
 )
 
 if TYPE_CHECKING:
+    from aegis.read.api import Snapshot, SnapshotEntry, Source
+    from aegis.read.api import open as open  # noqa: A004 - aegis.open, kept out of __all__
+    from aegis.read.errors import ReadError, SourceError
     from aegis.training.config import ManagerConfig
     from aegis.training.inprocess import RecoveryGaveUp, World, run_in_process
     from aegis.training.manager import Manager
@@ -41,6 +49,12 @@ _LAZY = {
     "Replicated": "aegis.training.state",
     "per_rank": "aegis.training.state",
     "replicated": "aegis.training.state",
+    "open": "aegis.read.api",
+    "Source": "aegis.read.api",
+    "Snapshot": "aegis.read.api",
+    "SnapshotEntry": "aegis.read.api",
+    "SourceError": "aegis.read.errors",
+    "ReadError": "aegis.read.errors",
 }
 
 
@@ -68,6 +82,11 @@ __all__ = [
     "Replicated",
     "per_rank",
     "replicated",
+    # "open" too is aegis.open, but stays out of __all__: `from aegis import *` must not
+    # shadow the builtin open()
+    "Source",
+    "Snapshot",
+    "SnapshotEntry",
     "AegisError",
     "CollectiveError",
     "ConfigError",
@@ -80,4 +99,6 @@ __all__ = [
     "StateMismatchError",
     "StepOrderError",
     "StoreFullError",
+    "SourceError",
+    "ReadError",
 ]

@@ -1,5 +1,9 @@
 """The ``aegis`` command: list, inspect, verify, diff, export and prune snapshots.
 
+A thin face over the reading layer, :mod:`aegis.read` (which Python code uses directly:
+``aegis.open(uri).latest().load_into(model)``): this package parses options, draws tables and
+progress bars, writes JSON and maps errors to exit codes.
+
 URIs: a node store directory (the store root holding job directories, or one job directory),
 a durable root (``file:///path`` or ``s3://bucket/prefix``, the root or one job's prefix; S3
 through boto3's usual configuration and ``AWS_ENDPOINT_URL``), or a plain DCP checkpoint
@@ -95,10 +99,11 @@ from aegis.cli._common import (
     stdout_console,
 )
 from aegis.errors import AegisError, CorruptShardError
+from aegis.read.errors import ReadError
 
 if TYPE_CHECKING:
-    from aegis.cli._sources import TIER_DCP, Failure, Snapshot, Source, StepRow, pick, resolve
-    from aegis.snapshot.manifest import TensorEntry
+    from aegis.read.api import Snapshot, Source
+    from aegis.read.locations import TIER_DCP, Failure, Location, StepRow, pick, resolve
     from aegis.snapshot.node_store import default_store_root
 
 __all__ = ["cli", "main"]
@@ -108,14 +113,12 @@ _LIGHT = {"plan", "doctor"}  # commands that never read a snapshot: no torch imp
 
 def _load_heavy() -> None:
     """Bind the snapshot readers (they import torch) for the commands that read snapshots."""
-    from aegis.cli import _sources
-    from aegis.snapshot.manifest import TensorEntry
+    from aegis.read import api, locations
     from aegis.snapshot.node_store import default_store_root
 
-    globals().update(TIER_DCP=_sources.TIER_DCP, Failure=_sources.Failure, Snapshot=_sources.Snapshot,
-                     Source=_sources.Source, StepRow=_sources.StepRow, pick=_sources.pick,
-                     resolve=_sources.resolve, TensorEntry=TensorEntry,
-                     default_store_root=default_store_root)
+    globals().update(TIER_DCP=locations.TIER_DCP, Failure=locations.Failure, Location=locations.Location,
+                     StepRow=locations.StepRow, pick=locations.pick, resolve=locations.resolve,
+                     Snapshot=api.Snapshot, Source=api.Source, default_store_root=default_store_root)
 
 _TIER_ORDER = {"memory": 0, "durable": 1, "dcp": 2}
 
@@ -124,12 +127,18 @@ def _emit_json(doc: dict[str, Any]) -> None:
     click.echo(json.dumps(doc, indent=2, allow_nan=False))
 
 
-def _open_one(uri: str, job: str | None, *, unsafe: bool = False) -> Source:
-    return pick(resolve(uri, unsafe=unsafe), job, uri)
+def _open_one(uri: str, job: str | None, *, unsafe: bool = False) -> Location:
+    return pick(resolve(uri, unsafe=unsafe), job, uri, how="--job")
+
+
+def _snapshot(loc: Location, step: int | None) -> Snapshot:
+    """``step`` (default: the newest committed) of one location, or its one-line error."""
+    src = Source([loc])
+    return src.step(step) if step is not None else src.latest(skip_damaged=False)
 
 
 def _snap_ref(snap: Snapshot) -> dict[str, Any]:
-    return {"uri": snap.source.uri, "tier": snap.source.tier, "job": snap.job, "step": snap.step}
+    return {"uri": snap.uri, "tier": snap.tier, "job": snap.job, "step": snap.step}
 
 
 def _age(created: float | None) -> float | None:
@@ -237,8 +246,8 @@ def _summary_table(snap: Snapshot, summary: dict[str, Any]) -> Table:
     t = Table(show_header=False, box=None, pad_edge=False)
     t.add_column(style="bold")
     t.add_column(overflow="fold")
-    t.add_row("uri", snap.source.uri)
-    t.add_row("tier", snap.source.tier)
+    t.add_row("uri", snap.uri)
+    t.add_row("tier", snap.tier)
     if snap.job:
         t.add_row("job", snap.job)
     t.add_row("step", str(snap.step) if snap.step is not None else "-")
@@ -271,7 +280,7 @@ def _summary_table(snap: Snapshot, summary: dict[str, Any]) -> Table:
         t.add_row("redundancy", f"{what}, survives {k} lost node{'s' if k > 1 else ''} per group: " + "; ".join(
             f"ranks {g['members']} on {', '.join(g['nodes'])} ({fmt_bytes(g['parity_bytes_per_member'])} "
             "parity each)" for g in red["groups"]))
-    n_t = sum(isinstance(e, TensorEntry) for e in snap.entries.values())
+    n_t = len(snap.keys())
     t.add_row("entries", f"{n_t} tensors, {len(snap.entries) - n_t} objects")
     kinds = summary.get("state_kinds") or {}
     if kinds:  # per_rank entries are stored under per_rank.rankNNNNN.<name>, one copy per rank
@@ -282,12 +291,12 @@ def _summary_table(snap: Snapshot, summary: dict[str, Any]) -> Table:
 def _entry_rows(snap: Snapshot, values: dict[str, Any] | None) -> list[dict[str, Any]]:
     out = []
     for name, e in snap.entries.items():
-        if isinstance(e, TensorEntry):
-            out.append({"name": name, "kind": "tensor", "dtype": e.dtype, "shape": list(e.size),
-                        "shards": len(e.chunks), "bytes": e.nbytes})
+        if e.kind == "tensor":
+            out.append({"name": name, "kind": "tensor", "dtype": e.dtype, "shape": list(e.shape or ()),
+                        "shards": e.shards, "bytes": e.nbytes})
         else:
             row: dict[str, Any] = {"name": name, "kind": "object", "dtype": None, "shape": None,
-                                   "shards": None, "bytes": snap.object_sizes.get(name, 0)}
+                                   "shards": None, "bytes": e.nbytes}
             if values is not None and name in values:
                 row["value"] = _short_repr(values[name], 200)
             out.append(row)
@@ -306,7 +315,7 @@ def _resolve_name(snap: Snapshot, name: str) -> str:
 
     close = difflib.get_close_matches(name, list(snap.entries), n=3, cutoff=0.5)
     hint = f"; did you mean {', '.join(close)}?" if close else ""
-    raise CliError(f"no entry {name!r} in step {snap.step} of {snap.source.uri}{hint}")
+    raise CliError(f"no entry {name!r} in step {snap.step} of {snap.uri}{hint}")
 
 
 @cli.command("inspect")
@@ -323,24 +332,21 @@ def inspect_cmd(uri: str, step: int | None, tensor_name: str | None, job: str | 
     global shape, number of shards, bytes. Non-tensor entries by name and size."""
     src = _open_one(uri, job, unsafe=unsafe)
     try:
-        snap = src.open(step)
+        snap = _snapshot(src, step)
         summary = snap.summary()
         values: dict[str, Any] | None = None
         if unsafe:
-            objects = [n for n, e in snap.entries.items() if not isinstance(e, TensorEntry)]
-            from aegis.cli._tensors import load
-
-            values = load(snap, objects, unpickle=True).objects if objects else {}
+            values = snap.objects(unpickle=True, weights_only=False, progress=False)
         stats: dict[str, Any] | None = None
         if tensor_name is not None:
             name = _resolve_name(snap, tensor_name)
-            if not isinstance(snap.entries[name], TensorEntry):
+            if snap.entries[name].kind != "tensor":
                 raise CliError(f"{name!r} is not a tensor (a non-tensor object of "
-                               f"{snap.object_sizes.get(name, 0)} bytes)")
-            from aegis.cli._tensors import load, tensor_stats
+                               f"{snap.entries[name].nbytes} bytes)")
+            from aegis.cli._tensors import tensor_stats
 
-            with Bar(f"reading {name}", snap.fetch_bytes([name]) + snap.entry_bytes(name)) as bar:
-                t = load(snap, [name], progress=bar.advance).tensors[name]
+            with Bar(f"reading {name}", snap.bytes_to_read([name]) + snap.entry_bytes(name)) as bar:
+                t = snap.tensor(name, progress=bar.advance)
             stats = {"name": name, **tensor_stats(t)}
     finally:
         src.close()
@@ -423,7 +429,7 @@ def verify_cmd(uri: str, step: int | None, all_steps: bool, job: str | None, as_
                 raise CliError(f"{src.uri}: no committed step")
         elif step is not None:
             if step not in available:
-                src.open(step)  # raises the one-line "not committed" error
+                src.open(step)  # raises the one-line "not committed" error (NoSnapshotError)
             steps = [step]
         else:
             if not available:
@@ -488,7 +494,7 @@ def diff_cmd(uris: tuple[str, ...], steps: tuple[int, ...], job: str | None, sho
              as_json: bool) -> int:
     """Per entry: unchanged / changed, max absolute difference and ||a-b|| / ||a||; entries only
     on one side. Exit code 0 when identical, 1 when they differ."""
-    from aegis.cli._tensors import batches, compare, load
+    from aegis.cli._tensors import BATCH_BYTES, batches, compare
 
     if len(uris) > 2:
         raise click.UsageError("give one URI with --step A --step B, or two URIs")
@@ -505,7 +511,7 @@ def diff_cmd(uris: tuple[str, ...], steps: tuple[int, ...], job: str | None, sho
         step_a = steps[0] if steps else None
         step_b = steps[-1] if steps else None
     try:
-        a, b = src_a.open(step_a), src_b.open(step_b)
+        a, b = _snapshot(src_a, step_a), _snapshot(src_b, step_b)
         names_a, names_b = list(a.entries), set(b.entries)
         both = [n for n in names_a if n in names_b]
         rows: dict[str, dict[str, Any]] = {}
@@ -515,22 +521,22 @@ def diff_cmd(uris: tuple[str, ...], steps: tuple[int, ...], job: str | None, sho
         for n in b.entries:
             if n not in a.entries:
                 rows[n] = {"status": "only_b", "max_abs_diff": None, "rel_norm": None}
-        tensors = [n for n in both if isinstance(a.entries[n], TensorEntry) and isinstance(b.entries[n], TensorEntry)]
-        objects = [n for n in both if not isinstance(a.entries[n], TensorEntry) and not isinstance(b.entries[n], TensorEntry)]
+        tensors = [n for n in both if a.entries[n].kind == b.entries[n].kind == "tensor"]
+        objects = [n for n in both if a.entries[n].kind == b.entries[n].kind == "object"]
         for n in both:
             if n not in tensors and n not in objects:
                 rows[n] = {"status": "incompatible", "max_abs_diff": None, "rel_norm": None,
                            "detail": "a tensor on one side, an object on the other"}
-        total = sum(x.fetch_bytes(tensors) + sum(x.entry_bytes(n) for n in tensors) for x in (a, b))
+        total = sum(x.bytes_to_read(tensors) + sum(x.entry_bytes(n) for n in tensors) for x in (a, b))
         with Bar("comparing", total) as bar:
-            for group in batches(a, tensors):
-                ta = load(a, group, progress=bar.advance).tensors
-                tb = load(b, group, progress=bar.advance).tensors
+            for group in batches(a, tensors, BATCH_BYTES):  # both sides batch by batch: bounded memory
+                ta = a.load(group, max_bytes=BATCH_BYTES, progress=bar.advance)
+                tb = b.load(group, max_bytes=BATCH_BYTES, progress=bar.advance)
                 for n in group:
                     rows[n] = compare(ta[n], tb[n])
                 del ta, tb
         if objects:
-            ra, rb = load(a, objects, objects=True).raw, load(b, objects, objects=True).raw
+            ra, rb = a.objects(objects, progress=False), b.objects(objects, progress=False)
             for n in objects:
                 same = ra.get(n) == rb.get(n)
                 rows[n] = {"status": "unchanged" if same else "changed", "max_abs_diff": None,
@@ -546,10 +552,10 @@ def diff_cmd(uris: tuple[str, ...], steps: tuple[int, ...], job: str | None, sho
         r = rows[n]
         counts[r["status"]] += 1
         e = a.entries.get(n) or b.entries[n]
-        is_t = isinstance(e, TensorEntry)
+        is_t = e.kind == "tensor"
         doc = {"name": n, "kind": "tensor" if is_t else "object", "status": r["status"],
-               "dtype": e.dtype if isinstance(e, TensorEntry) else None,
-               "shape": list(e.size) if isinstance(e, TensorEntry) else None,
+               "dtype": e.dtype if is_t else None,
+               "shape": list(e.shape or ()) if is_t else None,
                "max_abs_diff": json_number(r["max_abs_diff"]), "rel_norm": json_number(r["rel_norm"])}
         if "detail" in r:
             doc["detail"] = r["detail"]
@@ -560,7 +566,7 @@ def diff_cmd(uris: tuple[str, ...], steps: tuple[int, ...], job: str | None, sho
                     "counts": counts, "entries": entries})
         return EXIT_OK if identical else EXIT_FAILED
     console = stdout_console()
-    console.print(f"a: {a.source.uri} step {a.step}   b: {b.source.uri} step {b.step}")
+    console.print(f"a: {a.uri} step {a.step}   b: {b.uri} step {b.step}")
     table = Table(box=None, header_style="bold", pad_edge=False)
     table.add_column("name", overflow="fold")
     table.add_column("status")
@@ -608,8 +614,6 @@ def export_cmd(uri: str, out: Path, fmt: str, step: int | None, flat: bool, layo
     torch.distributed.checkpoint.load reads, or one torch / safetensors file of full tensors.
     Non-tensor entries go into dcp as their serialized bytes; into torch only with
     --unsafe-load-objects; never into safetensors."""
-    from aegis.cli._tensors import export_dcp, export_safetensors, export_torch
-
     if layout != "aegis" and fmt != "dcp":
         raise click.UsageError(f"--layout {layout} applies to --format dcp only")
     if (out.exists() or out.is_symlink()) and not force:
@@ -619,34 +623,24 @@ def export_cmd(uri: str, out: Path, fmt: str, step: int | None, flat: bool, layo
     t0 = time.perf_counter()
     src = _open_one(uri, job, unsafe=unsafe)
     try:
-        snap = src.open(step)
+        snap = _snapshot(src, step)
         if out.exists() or out.is_symlink():  # --force, and the snapshot is there to replace it
             if out.is_dir() and not out.is_symlink():
                 shutil.rmtree(out)
             else:
                 out.unlink()
-        tensor_names = [n for n, e in snap.entries.items() if isinstance(e, TensorEntry)]
+        tensor_names = snap.keys()
         objects = [n for n in snap.entries if n not in set(tensor_names)]
         tensor_bytes = sum(snap.entry_bytes(n) for n in tensor_names)
-        if fmt == "dcp":
-            total = snap.fetch_bytes(list(snap.entries))
-        else:
-            total = snap.fetch_bytes(list(snap.entries)) + tensor_bytes
+        total = snap.bytes_to_read() + (0 if fmt == "dcp" else tensor_bytes)
         with Bar(f"exporting step {snap.step}", total) as bar:
             try:
-                if fmt == "dcp":
-                    export_dcp(snap, out, progress=bar.advance)
-                    if layout == "torchtitan":
-                        from aegis.integrations.torchtitan import to_torchtitan_dcp
+                done = snap.export(out, fmt, flat=flat, unpickle=unsafe, progress=bar.advance)
+                if fmt == "dcp" and layout == "torchtitan":
+                    from aegis.integrations.torchtitan import to_torchtitan_dcp
 
-                        to_torchtitan_dcp(out)
-                    skipped: list[str] = []
-                elif fmt == "torch":
-                    export_torch(snap, out, flat=flat, unpickle=unsafe, progress=bar.advance)
-                    skipped = [] if unsafe else objects
-                else:
-                    export_safetensors(snap, out, progress=bar.advance)
-                    skipped = objects
+                    to_torchtitan_dcp(out)
+                skipped: list[str] = done["objects_skipped"]
             except BaseException:
                 if fmt == "dcp" and out.is_dir():
                     shutil.rmtree(out, ignore_errors=True)
@@ -661,7 +655,7 @@ def export_cmd(uri: str, out: Path, fmt: str, step: int | None, flat: bool, layo
                     "tensors": len(tensor_names), "objects": len(objects) - len(skipped),
                     "objects_skipped": skipped, "bytes": size, "seconds": secs})
         return EXIT_OK
-    click.echo(f"exported step {snap.step} of {snap.source.uri} to {out} ({fmt}, {len(tensor_names)} "
+    click.echo(f"exported step {snap.step} of {snap.uri} to {out} ({fmt}, {len(tensor_names)} "
                f"tensors, {len(objects) - len(skipped)} objects, {fmt_bytes(size)}, {secs:.1f} s)")
     if skipped:
         why = ("safetensors holds tensors only" if fmt == "safetensors"
@@ -821,9 +815,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except click.ClickException as e:
         return _fail(e.format_message(), EXIT_USAGE, as_json)
-    except CorruptShardError as e:
+    except (CorruptShardError, ReadError) as e:  # bytes that do not verify, a read that failed
         return _fail(str(e), EXIT_FAILED, as_json)
-    except AegisError as e:
+    except AegisError as e:  # SourceError, NoSnapshotError, ManifestError, ...: bad input
         return _fail(str(e), EXIT_USAGE, as_json)
     except OSError as e:
         where = f"{e.filename}: " if e.filename else ""

@@ -1,24 +1,16 @@
-"""Shared pieces of the ``aegis`` command: errors with exit codes, formatting, progress bars."""
+"""Shared pieces of the ``aegis`` command: errors with exit codes, formatting, progress bars
+(:class:`~aegis.read.progress.Bar`, from the reading layer)."""
 
 from __future__ import annotations
 
 import math
 import os
-import threading
-from types import TracebackType
 from typing import Any
 
 import click
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
+
+from aegis.read.progress import Bar  # the reading layer's bars (rich only, no torch)
 
 __all__ = [
     "EXIT_OK",
@@ -88,62 +80,6 @@ def show(console: Console, renderable: Any) -> None:
 
 def stderr_console() -> Console:
     return Console(stderr=True, highlight=False, markup=False)
-
-
-class Bar:
-    """A progress bar on stderr that appears only when the work takes longer than a second and
-    stderr is a terminal. ``advance`` is thread-safe."""
-
-    def __init__(self, description: str, total: float | None, *, unit: str = "bytes",
-                 delay_s: float = 1.0, console: Console | None = None) -> None:
-        self.description = description
-        self.total = total
-        self.unit = unit
-        self.delay_s = delay_s
-        self.console = console or stderr_console()
-        self.enabled = self.console.is_terminal and not os.environ.get("AEGIS_NO_PROGRESS")
-        self.done = 0.0
-        self._lock = threading.Lock()
-        self._progress: Progress | None = None
-        self._task: Any = None
-        self._timer: threading.Timer | None = None
-
-    def __enter__(self) -> Bar:
-        if self.enabled:
-            self._timer = threading.Timer(self.delay_s, self._start)
-            self._timer.daemon = True
-            self._timer.start()
-        return self
-
-    def _start(self) -> None:
-        with self._lock:
-            if self._progress is not None or not self.enabled:
-                return
-            counter = (
-                [DownloadColumn(binary_units=True), TransferSpeedColumn()] if self.unit == "bytes" else [MofNCompleteColumn()]
-            )
-            self._progress = Progress(
-                TextColumn("{task.description}"), BarColumn(), *counter, TimeRemainingColumn(),
-                console=self.console, transient=True,
-            )
-            self._progress.start()
-            self._task = self._progress.add_task(self.description, total=self.total, completed=int(self.done))
-
-    def advance(self, n: float = 1) -> None:
-        with self._lock:
-            self.done += n
-            if self._progress is not None:
-                self._progress.update(self._task, completed=self.done)
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        with self._lock:
-            self.enabled = False
-            if self._progress is not None:
-                self._progress.stop()
-                self._progress = None
 
 
 def fmt_bytes(n: float | None) -> str:

@@ -378,7 +378,7 @@ def to_torchtitan_dcp(path: str | os.PathLike[str]) -> int:
     (``aegis export STORE OUT --format dcp``) to torchtitan's, in place: only ``.metadata`` is
     rewritten (atomically); the data files stay as they are. aegis' RNG entries are left out.
     Returns the number of keys. Idempotent."""
-    from aegis.cli._dcp import read_dcp_metadata
+    from aegis.read.dcp_meta import read_dcp_metadata
 
     d = Path(path)
     md = read_dcp_metadata(d)

@@ -1,13 +1,16 @@
-"""DCP plumbing for the ``aegis`` command: a reader for plain DCP directories that never
-unpickles anything but DCP's own metadata classes, load planners that load full tensors (and
-non-tensor items only when asked), and a save planner that writes an aegis snapshot out as a
-plain DCP checkpoint with its sharding unchanged.
+"""DCP plumbing of the reading layer: a reader for plain DCP directories that never unpickles
+anything but DCP's own metadata classes, a load planner that loads full tensors (and non-tensor
+items only when asked), and a save planner that writes an aegis snapshot out as a plain DCP
+checkpoint with its sharding unchanged.
+
+Used by :mod:`aegis.read`, the ``aegis`` command and :mod:`aegis.integrations.torchtitan`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import io
+import os
 import pickle
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -36,12 +39,13 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
-from aegis.cli._common import CliError
+from aegis.errors import ManifestError
 
 __all__ = ["SafeFileSystemReader", "read_dcp_metadata", "CollectPlanner", "CopyPlanner"]
 
 # Everything a DCP ``.metadata`` pickle of torch 2.x refers to. Anything else (an old or custom
-# checkpoint) is refused unless the user passes --unsafe-load-objects.
+# checkpoint) is refused unless the caller asks for unsafe loading (--unsafe-load-objects,
+# ``aegis.open(..., unsafe_load_objects=True)``).
 _METADATA_CLASSES = {
     ("torch.distributed.checkpoint.metadata", name)
     for name in ("Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
@@ -71,23 +75,24 @@ class _MetadataUnpickler(pickle.Unpickler):
         )
 
 
-def read_dcp_metadata(path: Path, *, unsafe: bool = False) -> Metadata:
-    """The ``.metadata`` of a DCP checkpoint directory, unpickled with an allow-list."""
-    file = path / ".metadata"
+def read_dcp_metadata(path: str | os.PathLike[str], *, unsafe: bool = False) -> Metadata:
+    """The ``.metadata`` of a DCP checkpoint directory, unpickled with an allow-list (``unsafe``:
+    with plain pickle). Raises :class:`~aegis.errors.ManifestError` naming the file."""
+    file = Path(path) / ".metadata"
     try:
         with open(file, "rb") as f:
             md = pickle.load(f) if unsafe else _MetadataUnpickler(f).load()  # noqa: S301
     except OSError as e:
-        raise CliError(f"cannot read {file}: {e.strerror or e}") from e
+        raise ManifestError(f"cannot read {file}: {e.strerror or e}") from e
     except pickle.UnpicklingError as e:
-        raise CliError(
-            f"{file} {e}; pass --unsafe-load-objects to unpickle it anyway (only for a checkpoint "
-            "you trust)"
+        raise ManifestError(
+            f"{file} {e}; pass --unsafe-load-objects (aegis.open(..., unsafe_load_objects=True)) "
+            "to unpickle it anyway (only for a checkpoint you trust)"
         ) from e
     except Exception as e:  # noqa: BLE001 - truncated or garbage: one line, no traceback
-        raise CliError(f"{file} is not a readable DCP metadata file ({type(e).__name__}: {e})") from e
+        raise ManifestError(f"{file} is not a readable DCP metadata file ({type(e).__name__}: {e})") from e
     if not isinstance(md, Metadata):
-        raise CliError(f"{file} does not hold DCP Metadata (got {type(md).__name__})")
+        raise ManifestError(f"{file} does not hold DCP Metadata (got {type(md).__name__})")
     if getattr(md, "storage_meta", None) is None:
         md.storage_meta = StorageMeta()
     return md
@@ -113,12 +118,15 @@ class CollectPlanner(DefaultLoadPlanner):
     """Loads into a flat state dict of full (unsharded) tensors.
 
     Non-tensor items are kept as their serialized bytes (``raw``), and unpickled only with
-    ``unpickle=True`` (``torch.load(weights_only=False)``: --unsafe-load-objects). ``on_tensor``
-    is told the bytes of every tensor read, for progress bars."""
+    ``unpickle=True``: ``torch.load(weights_only=weights_only)``; ``weights_only=False`` is
+    --unsafe-load-objects. ``on_tensor`` is told the bytes of every tensor read, for progress
+    bars."""
 
-    def __init__(self, *, unpickle: bool = False, on_tensor: Callable[[int], None] | None = None) -> None:
+    def __init__(self, *, unpickle: bool = False, weights_only: bool = False,
+                 on_tensor: Callable[[int], None] | None = None) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.unpickle = unpickle
+        self.weights_only = weights_only
         self.on_tensor = on_tensor
         self.raw: dict[str, bytes] = {}
 
@@ -127,7 +135,7 @@ class CollectPlanner(DefaultLoadPlanner):
         fqn = read_item.dest_index.fqn
         self.raw[fqn] = data
         if self.unpickle:
-            self.state_dict[fqn] = torch.load(io.BytesIO(data), weights_only=False)
+            self.state_dict[fqn] = torch.load(io.BytesIO(data), weights_only=self.weights_only)
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         super().commit_tensor(read_item, tensor)
@@ -167,7 +175,7 @@ class CopyPlanner(SavePlanner):
             offsets = torch.Size(index.offset or ())
             chunk = next((c for c in md.chunks if c.offsets == offsets), None)
             if chunk is None:
-                raise CliError(f"{index.fqn}: no chunk at offsets {tuple(offsets)} in the metadata")
+                raise ManifestError(f"{index.fqn}: no chunk at offsets {tuple(offsets)} in the metadata")
             items.append(WriteItem(
                 index=MetadataIndex(index.fqn, offsets),
                 type=WriteItemType.SHARD,

@@ -1,6 +1,6 @@
-"""Where snapshots live, as the ``aegis`` command sees them.
+"""Where snapshots live: a URI resolved to the places that hold one job's steps.
 
-A URI resolves to one or more :class:`Source` objects, one per job:
+A URI resolves to one or more :class:`Location` objects, one per job:
 
 * a node store directory (``/dev/shm/aegis`` holding job directories, or one job directory):
   tier ``memory``;
@@ -9,27 +9,33 @@ A URI resolves to one or more :class:`Source` objects, one per job:
 * a plain DCP checkpoint directory (holding ``.metadata``), or a directory of them
   (``step-100/``, ``step-200/`` ...): tier ``dcp``.
 
-A :class:`Snapshot` is one step of a source opened for reading: its entries (tensors and
-non-tensor objects), and a DCP ``StorageReader`` over exactly the bytes a command needs. Node
-store shards are read in place (after their chunks' crc32c are checked); durable chunks are
-downloaded, verified and decoded into sparse temporary files; DCP directories are read by DCP.
-Nothing here unpickles an object.
+A :class:`Copy` is one step at one location: its entries (tensors and non-tensor objects), and
+the means to read its bytes. An aegis copy (node store, durable tier) hands out verified raw
+chunks (:meth:`AegisCopy.read_chunks`): node store chunks are read from the shard file and their
+crc32c checked on the bytes read (after the shard's own index was checked against the
+manifest); durable chunks are downloaded, their stored crc32c checked, decoded and their raw
+crc32c checked (:func:`aegis.snapshot.durable.fetch_chunks`, as restore does). A plain DCP copy
+is read by DCP. Nothing here unpickles an object, and nothing here knows about the ``aegis``
+command: errors are :mod:`aegis.errors` / :mod:`aegis.read.errors`.
+
+Callers: :mod:`aegis.read.api` (which reads a step from several locations, the next copy when
+one is damaged) and the ``aegis`` command (``ls``, ``verify``, ``prune`` work per location).
 """
 
 from __future__ import annotations
 
 import abc
 import contextlib
+import json
 import mmap
 import os
 import re
-import tempfile
 import threading
 from collections.abc import Callable, Collection, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlparse
 
 from torch.distributed.checkpoint.metadata import (
@@ -39,11 +45,10 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.storage import StorageReader
 
-from aegis.cli._common import CliError, FailedError
-from aegis.cli._dcp import SafeFileSystemReader, read_dcp_metadata
-from aegis.errors import AegisError, CorruptShardError, ManifestError
+from aegis.errors import AegisError, CorruptShardError, ManifestError, NoSnapshotError
+from aegis.read.dcp_meta import SafeFileSystemReader, read_dcp_metadata
+from aegis.read.errors import SourceError
 from aegis.snapshot.codec import decode
-from aegis.snapshot.dcp_io import ShardReader
 from aegis.snapshot.durable import (
     chunk_key,
     fetch_chunks,
@@ -72,8 +77,16 @@ __all__ = [
     "TIER_DCP",
     "StepRow",
     "Failure",
-    "Source",
-    "Snapshot",
+    "VerifyResult",
+    "Location",
+    "NodeStoreLocation",
+    "DurableLocation",
+    "DcpLocation",
+    "Copy",
+    "AegisCopy",
+    "DcpCopy",
+    "STATE_KINDS_FILE",
+    "needed_chunks",
     "resolve",
     "pick",
 ]
@@ -81,6 +94,10 @@ __all__ = [
 TIER_MEMORY = "memory"
 TIER_DURABLE = "durable"
 TIER_DCP = "dcp"
+
+# Beside a DCP export (``aegis export --format dcp``), which dcp.load ignores: which entries are
+# per rank.
+STATE_KINDS_FILE = "aegis_state.json"
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 _RANK_DIR = re.compile(r"^rank-\d{5}$")
@@ -93,6 +110,7 @@ _TRAILING_INT = re.compile(r"(?:^|[-_.]|step)(\d+)$")  # step-100, checkpoint_10
 _DISTCP_RANK = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 Progress = Callable[[int], None]
+ChunkKey = tuple[int, int]  # (shard rank, chunk index)
 
 
 def _nop(n: int) -> None:
@@ -101,7 +119,7 @@ def _nop(n: int) -> None:
 
 @dataclass
 class StepRow:
-    """One step on one source (``ls``)."""
+    """One step on one location (``aegis ls``)."""
 
     uri: str
     tier: str
@@ -109,7 +127,7 @@ class StepRow:
     step: int | None
     committed: bool
     world_size: int | None = None
-    shards: int | None = None  # shards (or DCP files) present on this source
+    shards: int | None = None  # shards (or DCP files) present on this location
     raw_bytes: int | None = None
     stored_bytes: int | None = None
     created: float | None = None
@@ -136,11 +154,11 @@ class VerifyResult:
     failures: list[Failure] = field(default_factory=list)
 
 
-# -- sources -------------------------------------------------------------------------------------
+# -- locations -----------------------------------------------------------------------------------
 
 
-class Source(abc.ABC):
-    """The steps of one job in one place."""
+class Location(abc.ABC):
+    """The steps of one job in one place (one tier)."""
 
     tier: str
     uri: str
@@ -155,19 +173,20 @@ class Source(abc.ABC):
         """Committed steps, ascending."""
 
     @abc.abstractmethod
-    def _open(self, step: int) -> Snapshot:
+    def _open(self, step: int) -> Copy:
         ...
 
-    def open(self, step: int | None) -> Snapshot:
-        """The newest committed step, or ``step``; a one-line error when it is not committed."""
+    def open(self, step: int | None) -> Copy:
+        """The newest committed step, or ``step``. NoSnapshotError when it is not committed,
+        ManifestError when its manifest cannot be read."""
         steps = self.committed()
         if not steps:
-            raise CliError(f"{self.uri}: no committed step")
+            raise NoSnapshotError(f"{self.uri}: no committed step")
         if step is None:
             step = steps[-1]
         elif step not in steps:
             shown = ", ".join(str(s) for s in steps[-10:])
-            raise CliError(
+            raise NoSnapshotError(
                 f"step {step} is not committed in {self.uri} (committed: "
                 f"{'... ' if len(steps) > 10 else ''}{shown})"
             )
@@ -186,8 +205,8 @@ class Source(abc.ABC):
         """Check every chunk of ``step``; failures are collected, never raised."""
 
     def prune(self, keep_last: int, keep_every: int, *, dry_run: bool) -> list[int]:
-        raise CliError(f"{self.uri}: prune works on aegis node stores and durable roots, not on "
-                       f"{self.tier} checkpoints")
+        raise SourceError(f"{self.uri}: prune works on aegis node stores and durable roots, not on "
+                          f"{self.tier} checkpoints")
 
     def close(self) -> None:  # noqa: B027 - optional
         pass
@@ -196,32 +215,33 @@ class Source(abc.ABC):
         return Failure(self.job, step, rank, chunk, self.tier, self.uri, error)
 
 
-class Snapshot(abc.ABC):
-    """One step of a source, opened for reading."""
+class Copy(abc.ABC):
+    """One step of one location, opened for reading."""
 
-    source: Source
+    location: Location
     step: int | None
     entries: Mapping[str, TensorEntry | BytesEntry]
     object_sizes: dict[str, int]
     metadata: Metadata
     planner_data: Mapping[str, tuple[str | int, ...]]
+    state_kinds: Mapping[str, str]
     manifest: Manifest | None = None
 
     @property
     def job(self) -> str | None:
-        return self.source.job
+        return self.location.job
+
+    @property
+    def tier(self) -> str:
+        return self.location.tier
+
+    @property
+    def uri(self) -> str:
+        return self.location.uri
 
     @abc.abstractmethod
     def summary(self) -> dict[str, Any]:
         """world_size, created, mesh, timings, format_version, shards (``inspect``)."""
-
-    @abc.abstractmethod
-    def reader(self, names: Collection[str], progress: Progress = _nop) -> contextlib.AbstractContextManager[StorageReader]:
-        """A DCP StorageReader that can serve the items of ``names`` (and maybe more)."""
-
-    def fetch_bytes(self, names: Collection[str]) -> int:
-        """Bytes read from the source to serve ``names`` (progress bar total)."""
-        return sum(self.entry_bytes(n) for n in names)
 
     def entry_bytes(self, name: str) -> int:
         e = self.entries[name]
@@ -244,7 +264,7 @@ def _redundancy_summary(m: Manifest) -> dict[str, Any]:
         for g in red.groups]} | ({"parity": red.parity, "ec_type": red.ec_type} if red.scheme == "rs" else {})
 
 
-def _needed_chunks(manifest: Manifest, names: Collection[str] | None) -> dict[int, set[int]]:
+def needed_chunks(manifest: Manifest, names: Collection[str] | None) -> dict[int, set[int]]:
     """shard rank -> chunk indices holding the items of ``names`` (None: every chunk)."""
     out: dict[int, set[int]] = {}
     wanted = None if names is None else set(names)
@@ -258,14 +278,19 @@ def _needed_chunks(manifest: Manifest, names: Collection[str] | None) -> dict[in
     return out
 
 
-class _AegisSnapshot(Snapshot):
-    def __init__(self, source: Source, manifest: Manifest) -> None:
-        self.source = source
+class AegisCopy(Copy):
+    """A step of an aegis snapshot (node store or durable tier): the manifest, and its chunks."""
+
+    manifest: Manifest
+
+    def __init__(self, location: Location, manifest: Manifest) -> None:
+        self.location = location
         self.manifest = manifest
         self.step = manifest.step
         self.entries = manifest.entries
         self.metadata = manifest.to_dcp_metadata()
         self.planner_data = manifest.planner_data
+        self.state_kinds = manifest.state_kinds
         sizes: dict[str, int] = {}
         for shard in manifest.shards:
             for item in shard.items:
@@ -275,7 +300,6 @@ class _AegisSnapshot(Snapshot):
 
     def summary(self) -> dict[str, Any]:
         m = self.manifest
-        assert m is not None
         return {
             "world_size": m.world_size,
             "created": m.created or None,
@@ -299,28 +323,22 @@ class _AegisSnapshot(Snapshot):
             "redundancy": _redundancy_summary(m),
         }
 
-    def fetch_bytes(self, names: Collection[str]) -> int:
-        assert self.manifest is not None
-        return sum(self.manifest.shard(r).chunks[i].length
-                   for r, ids in _needed_chunks(self.manifest, names).items() for i in ids)
+    @abc.abstractmethod
+    def has_shard(self, rank: int) -> bool:
+        """Whether this copy holds the shard of ``rank`` at all (a node store holds its node's
+        shards and replicas only; the durable tier holds every shard of a committed step)."""
 
     @abc.abstractmethod
-    def local_files(self, names: Collection[str] | None, progress: Progress = _nop
-                    ) -> contextlib.AbstractContextManager[dict[int, Path]]:
-        """Local files holding (at least) the verified chunks of ``names``, per shard rank."""
+    def read_chunks(self, wanted: Mapping[int, Collection[int]], progress: Progress = _nop,
+                    threads: int = 8) -> tuple[dict[ChunkKey, bytes], dict[ChunkKey, AegisError]]:
+        """The raw bytes of the chunks ``wanted`` (rank -> chunk indices), each checked against
+        its crc32c; and, per chunk that could not be read intact, the error (never raised)."""
 
-    @contextlib.contextmanager
-    def reader(self, names: Collection[str], progress: Progress = _nop) -> Iterator[StorageReader]:
-        assert self.manifest is not None
-        with self.local_files(names, progress) as paths:
-            reader = ShardReader(self.manifest, paths)
-            try:
-                yield reader
-            finally:
-                reader.close()
+    def where(self) -> str:
+        return f"{self.tier} {self.uri}"
 
 
-class NodeStoreSource(Source):
+class NodeStoreLocation(Location):
     tier = TIER_MEMORY
 
     def __init__(self, root: Path, job: str) -> None:
@@ -350,14 +368,8 @@ class NodeStoreSource(Source):
     def committed(self) -> list[int]:
         return sorted(i.step for i in self.store.steps() if i.committed)
 
-    def manifest(self, step: int) -> Manifest:
-        try:
-            return self.store.read_manifest(step)
-        except ManifestError as e:
-            raise CliError(str(e)) from e
-
-    def _open(self, step: int) -> Snapshot:
-        return _NodeStoreSnapshot(self, self.manifest(step))
+    def _open(self, step: int) -> Copy:
+        return NodeStoreCopy(self, self.store.read_manifest(step))
 
     def verify_bytes(self, step: int | None) -> int:
         assert step is not None
@@ -444,37 +456,106 @@ class NodeStoreSource(Source):
         return victims
 
 
-class _NodeStoreSnapshot(_AegisSnapshot):
-    source: NodeStoreSource
+class NodeStoreCopy(AegisCopy):
+    """A step in a node store. Chunks are read from the shard files (``pread``) and checked on
+    the bytes read, so a slot that a running job reuses while it is read shows up as damage
+    (and is named as an eviction), never as wrong tensors."""
 
-    @contextlib.contextmanager
-    def local_files(self, names: Collection[str] | None, progress: Progress = _nop) -> Iterator[dict[int, Path]]:
-        assert self.manifest is not None
-        store = self.source.store
-        paths = {}
-        for rank, ids in sorted(_needed_chunks(self.manifest, names).items()):
-            path = store.shard_path(self.manifest.step, rank)
-            if not path.exists():
-                raise CliError(f"the shard of rank {rank} at step {self.manifest.step} is not in the "
-                               f"node store {self.source.uri} (another node holds it)")
+    location: NodeStoreLocation
+
+    def __init__(self, location: NodeStoreLocation, manifest: Manifest) -> None:
+        super().__init__(location, manifest)
+        self._index_checked: dict[int, AegisError | None] = {}
+
+    @property
+    def store(self) -> NodeStore:
+        return self.location.store
+
+    def has_shard(self, rank: int) -> bool:
+        return self.store.shard_path(self.manifest.step, rank).exists()
+
+    def shard_path(self, rank: int) -> Path:
+        return self.store.shard_path(self.manifest.step, rank)
+
+    def _where(self) -> str:
+        return f"node store {self.uri}"
+
+    def _check_index(self, rank: int) -> AegisError | None:
+        """The shard's footer and own index against the manifest's record (once per rank)."""
+        if rank in self._index_checked:
+            return self._index_checked[rank]
+        step, rec = self.manifest.step, self.manifest.shard(rank)
+        err: AegisError | None = None
+        try:
+            index, size, icrc = self.store.read_shard_index(step, rank)
+            if size != rec.size:
+                raise CorruptShardError(
+                    f"shard of rank {rank} at step {step} in {self._where()} has {size} bytes, the "
+                    f"manifest says {rec.size}", step=step, rank=rank, where=self._where())
+            if icrc != rec.index_crc32c:
+                raise CorruptShardError(
+                    f"shard index of rank {rank} at step {step} in {self._where()} does not match the "
+                    "manifest (index crc32c differs)", step=step, rank=rank, where=self._where())
+            check_index_matches(index, rec, step=step, where=self._where())
+        except FileNotFoundError:
+            err = CorruptShardError(f"shard of rank {rank} at step {step} is missing from {self._where()}",
+                                    step=step, rank=rank, where=self._where())
+        except CorruptShardError as e:
+            err = e
+        except (ManifestError, OSError) as e:
+            err = CorruptShardError(f"shard of rank {rank} at step {step}: {e}", step=step, rank=rank,
+                                    where=self._where())
+        self._index_checked[rank] = err
+        return err
+
+    def _evicted(self) -> bool:
+        return not self.store.manifest_path(self.manifest.step).exists()
+
+    def read_chunks(self, wanted: Mapping[int, Collection[int]], progress: Progress = _nop,
+                    threads: int = 8) -> tuple[dict[ChunkKey, bytes], dict[ChunkKey, AegisError]]:
+        ok: dict[ChunkKey, bytes] = {}
+        bad: dict[ChunkKey, AegisError] = {}
+        step = self.manifest.step
+        for rank, ids in sorted(wanted.items()):
+            rec = self.manifest.shard(rank)
+            err = self._check_index(rank)
+            if err is not None:
+                bad.update({(rank, i): err for i in ids})
+                continue
             try:
-                store.verify_shard(self.manifest.step, self.manifest.shard(rank), ids)
-            except CorruptShardError as e:
-                raise FailedError(f"{e} (tier {TIER_MEMORY}); run `aegis verify` for every chunk") from e
-            progress(sum(self.manifest.shard(rank).chunks[i].length for i in ids))
-            paths[rank] = path
-        yield paths
-        # A running job reuses the files of evicted steps: check that nothing changed under us.
-        for rank, ids in sorted(_needed_chunks(self.manifest, names).items()):
+                fd = os.open(self.shard_path(rank), os.O_RDONLY)
+            except OSError as e:
+                bad.update({(rank, i): CorruptShardError(
+                    f"shard of rank {rank} at step {step} in {self._where()}: {e.strerror or e}",
+                    step=step, rank=rank, where=self._where()) for i in ids})
+                continue
             try:
-                store.verify_shard(self.manifest.step, self.manifest.shard(rank), ids)
-            except CorruptShardError as e:
-                raise FailedError(
-                    f"step {self.manifest.step} changed while it was read (evicted by a running job?): "
-                    f"{e}; read it again, or read its durable copy") from e
+                for i in sorted(ids):
+                    c = rec.chunks[i]
+                    data = os.pread(fd, c.length, c.offset)
+                    end = c.offset + c.length
+                    got = crc32c(data) if len(data) == c.length else None
+                    if got == c.crc32c:
+                        ok[(rank, i)] = data
+                        progress(c.length)
+                        continue
+                    if got is None:
+                        msg = (f"shard of rank {rank} at step {step} ({self._where()}) is truncated: "
+                               f"chunk {i} ends at byte {end}")
+                    else:
+                        msg = (f"crc32c mismatch in step {step}, rank {rank}, chunk {i} (bytes "
+                               f"{c.offset}..{end}) of {self._where()}: expected {c.crc32c:#010x}, "
+                               f"got {got:#010x}")
+                    if self._evicted():
+                        msg += (f"; step {step} was evicted from this node store while it was read "
+                                "(by a running job?): read it again, or read its durable copy")
+                    bad[(rank, i)] = CorruptShardError(msg, step=step, rank=rank, chunk=i, where=self._where())
+            finally:
+                os.close(fd)
+        return ok, bad
 
 
-class DurableSource(Source):
+class DurableLocation(Location):
     tier = TIER_DURABLE
 
     def __init__(self, store: ObjectStore, job: str) -> None:
@@ -515,12 +596,10 @@ class DurableSource(Source):
         try:
             return read_manifest(self.store, self.name, step)
         except ObjectNotFound as e:
-            raise CliError(str(e)) from e
-        except ManifestError as e:
-            raise CliError(str(e)) from e
+            raise ManifestError(str(e)) from e
 
-    def _open(self, step: int) -> Snapshot:
-        return _DurableSnapshot(self, self.manifest(step))
+    def _open(self, step: int) -> Copy:
+        return DurableCopy(self, self.manifest(step))
 
     def verify_bytes(self, step: int | None) -> int:
         assert step is not None
@@ -588,57 +667,63 @@ class DurableSource(Source):
         self.store.close()
 
 
-class _DurableSnapshot(_AegisSnapshot):
-    source: DurableSource
+class _ChunkSink:
+    """What :func:`~aegis.snapshot.durable.fetch_chunks` writes a verified chunk into
+    (``out[offset:offset + length] = raw``): kept as bytes by offset, instead of a buffer the size
+    of the whole shard."""
 
-    @contextlib.contextmanager
-    def local_files(self, names: Collection[str] | None, progress: Progress = _nop) -> Iterator[dict[int, Path]]:
-        """Download, verify (stored and raw crc32c) and decode the chunks ``names`` need into
-        sparse temporary files laid out like the shards (``$TMPDIR``)."""
+    def __init__(self) -> None:
+        self.chunks: dict[int, bytes] = {}
+
+    def __setitem__(self, where: slice, raw: bytes) -> None:
+        self.chunks[where.start] = bytes(raw)
+
+
+class DurableCopy(AegisCopy):
+    """A step on the durable tier: chunks are downloaded, verified (stored crc32c, decode, raw
+    crc32c) and decoded exactly as restore does (``fetch_chunks``)."""
+
+    location: DurableLocation
+
+    def has_shard(self, rank: int) -> bool:
+        return any(s.rank == rank for s in self.manifest.shards)  # committed: every chunk is there
+
+    def read_chunks(self, wanted: Mapping[int, Collection[int]], progress: Progress = _nop,
+                    threads: int = 8) -> tuple[dict[ChunkKey, bytes], dict[ChunkKey, AegisError]]:
         m = self.manifest
-        assert m is not None
-        needed = _needed_chunks(m, names)
-        src = self.source
-        with tempfile.TemporaryDirectory(prefix="aegis-cli-") as tmp:
-            paths: dict[int, Path] = {}
-            maps: dict[int, mmap.mmap] = {}
+        loc = self.location
+        ok: dict[ChunkKey, bytes] = {}
+        bad: dict[ChunkKey, AegisError] = {}
+        lock = threading.Lock()
+
+        def one(rank: int, i: int) -> None:
+            sink = _ChunkSink()
+            c = m.shard(rank).chunks[i]
             try:
-                for rank in needed:
-                    path = Path(tmp) / f"rank-{rank:05d}.shard"
-                    with open(path, "wb") as f:
-                        f.truncate(max(m.shard(rank).size, 1))
-                    fd = os.open(path, os.O_RDWR)
-                    try:
-                        maps[rank] = mmap.mmap(fd, 0)
-                    finally:
-                        os.close(fd)
-                    paths[rank] = path
+                fetch_chunks(loc.store, loc.name, m, rank, [i], cast(memoryview, sink), threads=1)
+            except AegisError as e:
+                with lock:
+                    bad[(rank, i)] = e
+                return
+            with lock:
+                ok[(rank, i)] = sink.chunks[c.offset]
+            progress(c.length)
 
-                def one(rank: int, i: int) -> None:
-                    with memoryview(maps[rank]) as view:
-                        fetch_chunks(src.store, src.name, m, rank, [i], view, threads=1)
-                    progress(m.shard(rank).chunks[i].length)
-
-                with ThreadPoolExecutor(max_workers=8) as pool:
-                    futures = [pool.submit(one, r, i) for r, ids in needed.items() for i in sorted(ids)]
-                    try:
-                        for fut in futures:
-                            fut.result()
-                    except CorruptShardError as e:
-                        for other in futures:
-                            other.cancel()
-                        raise FailedError(f"{e} (tier {TIER_DURABLE})") from e
-            finally:
-                for mm in maps.values():
-                    with contextlib.suppress(BufferError):
-                        mm.close()
-            yield paths
+        pairs = [(r, i) for r, ids in sorted(wanted.items()) for i in sorted(ids)]
+        if len(pairs) == 1 or threads <= 1:
+            for r, i in pairs:
+                one(r, i)
+        else:
+            with ThreadPoolExecutor(max_workers=min(threads, len(pairs))) as pool:
+                for fut in [pool.submit(one, r, i) for r, i in pairs]:
+                    fut.result()
+        return ok, bad
 
 
 # -- plain DCP checkpoints -----------------------------------------------------------------------
 
 
-class DcpSource(Source):
+class DcpLocation(Location):
     """One plain DCP checkpoint directory, or a directory of them (``step-N``-like names)."""
 
     tier = TIER_DCP
@@ -661,10 +746,10 @@ class DcpSource(Source):
             row = StepRow(str(path), self.tier, None, step, True)
             try:
                 md = self.metadata(path)
-            except CliError as e:
-                row.error = e.message
+            except ManifestError as e:
+                row.error = str(e)
             else:
-                snap = _DcpSnapshot(self, step, path, md)
+                snap = DcpCopy(self, step, path, md)
                 row.world_size = snap.world_size()
                 row.shards = len(snap.files())
                 row.raw_bytes = sum(snap.entry_bytes(n) for n in snap.entries)
@@ -676,24 +761,24 @@ class DcpSource(Source):
     def committed(self) -> list[int]:
         return [s for s, _ in self.checkpoints if s is not None]
 
-    def open(self, step: int | None) -> Snapshot:
+    def open(self, step: int | None) -> Copy:
         if step is None:
             s, path = self.checkpoints[-1]
-            return _DcpSnapshot(self, s, path, self.metadata(path))
+            return DcpCopy(self, s, path, self.metadata(path))
         for s, path in self.checkpoints:
             if s == step:
-                return _DcpSnapshot(self, s, path, self.metadata(path))
+                return DcpCopy(self, s, path, self.metadata(path))
         steps = ", ".join(str(s) for s in self.committed()) or "none: its name has no step number"
-        raise CliError(f"step {step} is not in {self.uri} (steps: {steps})")
+        raise NoSnapshotError(f"step {step} is not in {self.uri} (steps: {steps})")
 
-    def _open(self, step: int) -> Snapshot:
+    def _open(self, step: int) -> Copy:
         return self.open(step)
 
     def _path(self, step: int | None) -> Path:
         for s, path in self.checkpoints:
             if s == step:
                 return path
-        raise CliError(f"step {step} is not in {self.uri}")
+        raise NoSnapshotError(f"step {step} is not in {self.uri}")
 
     def all_steps(self) -> list[int | None]:
         return [s for s, _ in self.checkpoints]
@@ -701,8 +786,8 @@ class DcpSource(Source):
     def verify_bytes(self, step: int | None) -> int:
         path = self._path(step)
         try:
-            snap = _DcpSnapshot(self, step, path, self.metadata(path))
-        except CliError:
+            snap = DcpCopy(self, step, path, self.metadata(path))
+        except ManifestError:
             return 0
         return sum(info.length for info in snap.storage_infos().values())
 
@@ -711,9 +796,9 @@ class DcpSource(Source):
         res = VerifyResult()
         path = self._path(step)
         try:
-            snap = _DcpSnapshot(self, step, path, self.metadata(path))
-        except CliError as e:
-            res.failures.append(Failure(None, step, None, None, self.tier, str(path), e.message))
+            snap = DcpCopy(self, step, path, self.metadata(path))
+        except ManifestError as e:
+            res.failures.append(Failure(None, step, None, None, self.tier, str(path), str(e)))
             return res
         sizes: dict[str, int | None] = {}
         for n, (index, info) in enumerate(snap.storage_infos().items()):
@@ -739,11 +824,14 @@ class DcpSource(Source):
         return res
 
 
-class _DcpSnapshot(Snapshot):
-    source: DcpSource
+class DcpCopy(Copy):
+    """A plain DCP checkpoint directory. Its ``state_kinds`` come from ``aegis_state.json`` when
+    it is an aegis export (``aegis export --format dcp``), else they are empty."""
 
-    def __init__(self, source: DcpSource, step: int | None, path: Path, md: Metadata) -> None:
-        self.source = source
+    location: DcpLocation
+
+    def __init__(self, location: DcpLocation, step: int | None, path: Path, md: Metadata) -> None:
+        self.location = location
         self.step = step
         self.path = path
         self.metadata = md
@@ -754,6 +842,17 @@ class _DcpSnapshot(Snapshot):
             if isinstance(md.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
                 sizes[index.fqn] = sizes.get(index.fqn, 0) + int(getattr(info, "length", 0))
         self.object_sizes = sizes
+        self.state_kinds = self._state_kinds()
+
+    def _state_kinds(self) -> dict[str, str]:
+        try:
+            doc = json.loads((self.path / STATE_KINDS_FILE).read_text())
+            kinds = doc["state_kinds"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return {}
+        if not isinstance(kinds, dict):
+            return {}
+        return {str(k): str(v) for k, v in kinds.items() if isinstance(v, str)}
 
     def storage_infos(self) -> dict[MetadataIndex, Any]:
         data = self.metadata.storage_data
@@ -784,8 +883,8 @@ class _DcpSnapshot(Snapshot):
         }
 
     @contextlib.contextmanager
-    def reader(self, names: Collection[str], progress: Progress = _nop) -> Iterator[StorageReader]:
-        yield SafeFileSystemReader(self.path, unsafe=self.source.unsafe)
+    def reader(self) -> Iterator[StorageReader]:
+        yield SafeFileSystemReader(self.path, unsafe=self.location.unsafe)
 
 
 # -- resolving a URI -----------------------------------------------------------------------------
@@ -819,7 +918,7 @@ def _step_of(path: Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _cli_store(url: str) -> ObjectStore:
+def _read_store(url: str) -> ObjectStore:
     """An object store for reading: few, short retries (a person is waiting)."""
     opts: dict[str, Any] = {}
     if url.startswith("s3://"):
@@ -827,29 +926,29 @@ def _cli_store(url: str) -> ObjectStore:
     try:
         return open_store(url, **opts)
     except AegisError as e:
-        raise CliError(str(e)) from e
+        raise SourceError(str(e)) from e
 
 
-def _local(path: Path, display: str, *, unsafe: bool, default: str = TIER_MEMORY) -> list[Source]:
+def _local(path: Path, display: str, *, unsafe: bool, default: str = TIER_MEMORY) -> list[Location]:
     if not path.exists():
-        raise CliError(f"{display}: no such file or directory")
+        raise SourceError(f"{display}: no such file or directory")
     if not path.is_dir():
-        raise CliError(f"{display}: not a directory (give a node store, a durable root or a DCP "
-                       "checkpoint directory)")
+        raise SourceError(f"{display}: not a directory (give a node store, a durable root or a DCP "
+                          "checkpoint directory)")
     path = path.resolve()
     if (path / ".metadata").is_file():
-        return [DcpSource(str(path), [(_step_of(path), path)], unsafe=unsafe)]
+        return [DcpLocation(str(path), [(_step_of(path), path)], unsafe=unsafe)]
     kind = _dir_kind(path, default)
     if kind is not None:
         if not _JOB_NAME.match(path.name):
-            raise CliError(f"{display}: {path.name!r} is not a valid aegis job name")
+            raise SourceError(f"{display}: {path.name!r} is not a valid aegis job name")
         return [_make(kind, path.parent, path.name)]
-    sources: list[Source] = []
+    sources: list[Location] = []
     dcps: list[tuple[int | None, Path]] = []
     try:
         children = sorted(path.iterdir())
     except OSError as e:
-        raise CliError(f"{display}: {e.strerror or e}") from e
+        raise SourceError(f"{display}: {e.strerror or e}") from e
     for child in children:
         if not child.is_dir():
             continue
@@ -859,26 +958,26 @@ def _local(path: Path, display: str, *, unsafe: bool, default: str = TIER_MEMORY
         if _JOB_NAME.match(child.name) and (kind := _dir_kind(child, default)) is not None:
             sources.append(_make(kind, path, child.name))
     if dcps:
-        sources.append(DcpSource(str(path), dcps, unsafe=unsafe))
+        sources.append(DcpLocation(str(path), dcps, unsafe=unsafe))
     if not sources:
-        raise CliError(
+        raise SourceError(
             f"{display}: no aegis snapshots or DCP checkpoints here (expected <job>/step-NNNNNNNN/ "
             "directories, a .metadata file, or directories holding one)"
         )
     return sources
 
 
-def _make(kind: str, root: Path, job: str) -> Source:
+def _make(kind: str, root: Path, job: str) -> Location:
     if kind == TIER_DURABLE:
-        return DurableSource(_cli_store(f"file://{root}"), job)
-    return NodeStoreSource(root, job)
+        return DurableLocation(_read_store(f"file://{root}"), job)
+    return NodeStoreLocation(root, job)
 
 
-def _s3(url: str) -> list[Source]:
+def _s3(url: str) -> list[Location]:
     parsed = urlparse(url)
     base = f"s3://{parsed.netloc}"
     prefix = parsed.path.strip("/")
-    store = _cli_store(url)
+    store = _read_store(url)
     found: set[str] = set()
     try:
         store.check()  # names a missing bucket or missing credentials in one line
@@ -887,54 +986,57 @@ def _s3(url: str) -> list[Source]:
             if m:
                 found.add(m.group("pre") or "")
     except AegisError as e:
-        raise CliError(str(e)) from e
+        raise SourceError(str(e)) from e
     finally:
         store.close()
     if not found:
-        raise CliError(f"{url}: no aegis snapshots here (expected <job>/step-NNNNNNNN/manifest.json)")
-    sources: list[Source] = []
+        raise SourceError(f"{url}: no aegis snapshots here (expected <job>/step-NNNNNNNN/manifest.json)")
+    sources: list[Location] = []
     for pre in sorted(found):
         if pre == "":  # the URL is one job's prefix
             if not prefix:
-                raise CliError(f"{url}: steps at the bucket root; aegis keeps them under <root>/<job>/")
+                raise SourceError(f"{url}: steps at the bucket root; aegis keeps them under <root>/<job>/")
             parent, _, job = prefix.rpartition("/")
         else:
             sub, _, job = pre.rpartition("/")
             parent = "/".join(p for p in (prefix, sub) if p)
         if not _JOB_NAME.match(job):
             continue
-        sources.append(DurableSource(_cli_store(f"{base}/{parent}" if parent else base), job))
+        sources.append(DurableLocation(_read_store(f"{base}/{parent}" if parent else base), job))
     if not sources:
-        raise CliError(f"{url}: no aegis job prefixes here")
+        raise SourceError(f"{url}: no aegis job prefixes here")
     return sources
 
 
-def resolve(uri: str, *, unsafe: bool = False) -> list[Source]:
-    """Every job's source at ``uri`` (see the module docstring). One-line errors for bad URIs."""
+def resolve(uri: str | os.PathLike[str], *, unsafe: bool = False) -> list[Location]:
+    """Every job's location at ``uri`` (see the module docstring). SourceError, in one line,
+    for a URI of the wrong kind."""
+    uri = os.fspath(uri)
     if "://" in uri:
         parsed = urlparse(uri)
         if parsed.scheme == "file":
             if parsed.netloc not in ("", "localhost"):
-                raise CliError(f"{uri}: use file:///absolute/path")
+                raise SourceError(f"{uri}: use file:///absolute/path")
             return _local(Path(parsed.path), uri, unsafe=unsafe, default=TIER_DURABLE)
         if parsed.scheme == "s3":
             if not parsed.netloc:
-                raise CliError(f"{uri}: missing bucket (s3://bucket/prefix)")
+                raise SourceError(f"{uri}: missing bucket (s3://bucket/prefix)")
             return _s3(uri)
-        raise CliError(f"{uri}: unsupported scheme {parsed.scheme!r}; use a directory, file:///path "
-                       "or s3://bucket/prefix")
+        raise SourceError(f"{uri}: unsupported scheme {parsed.scheme!r}; use a directory, file:///path "
+                          "or s3://bucket/prefix")
     return _local(Path(uri), uri, unsafe=unsafe)
 
 
-def pick(sources: list[Source], job: str | None, uri: str) -> Source:
-    """The one source a command works on: ``--job`` chooses when several jobs are there."""
+def pick(locations: list[Location], job: str | None, uri: str, *, how: str = "job=") -> Location:
+    """The one location of ``job`` (or the only one) among ``locations``; ``how`` is how the
+    caller chooses a job (``--job`` for the command)."""
     if job is not None:
-        chosen = [s for s in sources if s.job == job]
+        chosen = [s for s in locations if s.job == job]
         if not chosen:
-            jobs = ", ".join(sorted({s.job for s in sources if s.job})) or "none"
-            raise CliError(f"{uri}: no job {job!r} here (jobs: {jobs})")
-        sources = chosen
-    if len(sources) > 1:
-        jobs = ", ".join(s.job or f"{s.tier} checkpoints" for s in sources)
-        raise CliError(f"{uri} holds several jobs ({jobs}); choose one with --job")
-    return sources[0]
+            jobs = ", ".join(sorted({s.job for s in locations if s.job})) or "none"
+            raise SourceError(f"{uri}: no job {job!r} here (jobs: {jobs})")
+        locations = chosen
+    if len(locations) > 1:
+        jobs = ", ".join(s.job or f"{s.tier} checkpoints" for s in locations)
+        raise SourceError(f"{uri} holds several jobs ({jobs}); choose one with {how}")
+    return locations[0]
