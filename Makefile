@@ -12,7 +12,7 @@ export OMP_NUM_THREADS ?= 1
 TITAN_TEST_DEPS := torchdata==0.11.0 tyro==1.0.17 spmd_types==0.2.3 einops==0.8.2
 TITAN_TEST_NODEPS := torchtitan==0.3.0 triton==3.9.0
 
-.PHONY: venv demo test chaos chaos-inprocess chaos-xor lint bench goodput clean
+.PHONY: venv demo test chaos chaos-inprocess chaos-xor lint bench goodput gpu-wheels clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -63,6 +63,16 @@ bench: $(BENCH_STAMP)
 # rate against what `aegis plan` predicts, memory + durable and durable only.
 goodput: venv
 	$(BIN)/python bench/goodput.py
+
+# Wheels of aegis' own dependencies for a GPU machine that has torch and Python 3.12 but no
+# network (the lent H200): carried as .whl/ with bench/gpu_check.sh (ignored by git).
+GPU_WHEELS := crc32c==2.9.post0 tenacity==9.2.1 zstandard==0.25.0
+gpu-wheels:
+	mkdir -p .whl .git/info
+	grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl $(GPU_WHEELS)
 
 lint: venv
 	$(BIN)/ruff check aegis tests bench examples

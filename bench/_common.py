@@ -123,10 +123,26 @@ def trainer_module() -> Any:
     return mod
 
 
-def gpt_shape(state_mb: float, *, dim: int = 256, heads: int = 4, vocab: int = 2048,
-              seq: int = 64) -> dict[str, int]:
+MAX_LAYERS = 32  # deeper and a step is launch-bound: see gpt_shape
+
+
+def gpt_shape(state_mb: float, *, dim: int | None = None, heads: int | None = None,
+              vocab: int = 2048, seq: int = 64) -> dict[str, int]:
     """TinyGPT layers so that params x 12 bytes (fp32 param + exp_avg + exp_avg_sq) ~ state_mb
-    (at least one layer: the smallest state is the embeddings plus one block)."""
+    (at least one layer: the smallest state is the embeddings plus one block).
+
+    Without ``dim``, the narrowest width of 256, 512, 768, 1024, 1536, 2048, 3072, 4096 that
+    needs at most ``MAX_LAYERS`` blocks (``heads`` = dim / 64, at least 4). With the width fixed
+    at 256, a 167M-parameter model was 212 blocks of 256: each a separate FSDP unit, every step
+    launch-bound (thousands of small kernels and per-unit hooks), which is why
+    ``bench/throughput.py --device cuda --state-mb 2000`` did not finish 2 x 40 steps in 120 s on
+    an H200 (issue 23; the states of ``make bench`` here stay at width 256)."""
+    if dim is None:
+        for dim in (256, 512, 768, 1024, 1536, 2048, 3072, 4096):  # noqa: B007 - kept below
+            fixed = 2 * vocab * dim + seq * dim + 2 * dim
+            if (state_mb * MB / 12 - fixed) / (12 * dim * dim + 13 * dim) <= MAX_LAYERS:
+                break
+    heads = heads if heads is not None else max(4, dim // 64)
     fixed = 2 * vocab * dim + seq * dim + 2 * dim  # tok_emb, head, pos_emb, ln_f
     per_layer = 12 * dim * dim + 13 * dim
     layers = max(1, round((state_mb * MB / 12 - fixed) / per_layer))
