@@ -54,10 +54,12 @@ from aegis.errors import (
 )
 from aegis.read.errors import DamagedCopyWarning, SourceError
 from aegis.read.locations import (
+    DECODE_FACTOR,
     TIER_DCP,
     AegisCopy,
     Copy,
     DcpCopy,
+    DurableCopy,
     Failure,
     Location,
     NodeStoreCopy,
@@ -467,12 +469,19 @@ class Snapshot:
         if group:
             yield group
 
-    def _threads(self, max_bytes: int) -> int:
-        """Download threads for the durable tier: each holds a stored and a decoded chunk."""
+    def _plan(self, max_bytes: int) -> tuple[int, int]:
+        """(download threads, bytes of chunks per batch) for a read within ``max_bytes``. With a
+        durable copy among the copies, each download thread's decoding (``DECODE_FACTOR`` times
+        the largest chunk) is taken from the budget first, for at most half of it; at least one
+        thread and one chunk are always allowed."""
         if self.manifest is None:
-            return 1
+            return 1, max_bytes
         biggest = max((c.length for s in self.manifest.shards for c in s.chunks), default=1)
-        return max(1, min(8, max_bytes // max(1, 4 * biggest)))
+        if not any(isinstance(c, DurableCopy) for c in self.copies):
+            return 1, max(max_bytes, 1)
+        decode = DECODE_FACTOR * biggest
+        threads = max(1, min(8, max_bytes // max(1, 2 * decode)))
+        return threads, max(biggest, max_bytes - threads * decode)
 
     def _fetch(self, wanted: Mapping[int, Sequence[int] | set[int]], progress: Any = None,
                threads: int = 8, copies: Sequence[Copy] | None = None) -> dict[int, dict[int, bytes]]:
@@ -533,8 +542,8 @@ class Snapshot:
     def _load_batches(self, names: list[str], *, max_bytes: int, progress: Any,
                       targets: Mapping[str, torch.Tensor] | None = None) -> Iterator[dict[str, torch.Tensor]]:
         """Full tensors of ``names``, one batch at a time (into ``targets`` when given)."""
-        threads = self._threads(max_bytes)
-        for group in self._batches(names, max_bytes):
+        threads, chunk_bytes = self._plan(max_bytes)
+        for group in self._batches(names, chunk_bytes):
             sd: dict[str, Any] = {}
             for n in group:
                 if targets is not None:
@@ -791,6 +800,7 @@ class Snapshot:
         tell = progress if callable(progress) else (lambda n: None)
         primary = self.copies[0]
         in_place: list[int] = []
+        threads, chunk_budget = self._plan(max_bytes)
         with tempfile.TemporaryDirectory(prefix="aegis-read-") as tmp:
             paths: dict[int, Path] = {}
             for shard in m.shards:
@@ -809,11 +819,11 @@ class Snapshot:
                 with builtins.open(path, "wb") as f:
                     f.truncate(max(shard.size, 1))
                 ids = list(range(len(shard.chunks)))
-                step_ids = max(1, max_bytes // max(1, max((c.length for c in shard.chunks), default=1)))
+                step_ids = max(1, chunk_budget // max(1, max((c.length for c in shard.chunks), default=1)))
                 with builtins.open(path, "r+b") as f:
                     for at in range(0, len(ids), step_ids):
                         part = ids[at:at + step_ids]
-                        got = self._fetch({rank: part}, tell, self._threads(max_bytes)).get(rank, {})
+                        got = self._fetch({rank: part}, tell, threads).get(rank, {})
                         for i in part:
                             f.seek(shard.chunks[i].offset)
                             f.write(got[i])

@@ -14,7 +14,8 @@ the means to read its bytes. An aegis copy (node store, durable tier) hands out 
 chunks (:meth:`AegisCopy.read_chunks`): node store chunks are read from the shard file and their
 crc32c checked on the bytes read (after the shard's own index was checked against the
 manifest); durable chunks are downloaded, their stored crc32c checked, decoded and their raw
-crc32c checked (:func:`aegis.snapshot.durable.fetch_chunks`, as restore does). A plain DCP copy
+crc32c checked (:func:`fetch_chunk`: the checks of restore's
+:func:`aegis.snapshot.durable.fetch_chunks`). A plain DCP copy
 is read by DCP. Nothing here unpickles an object, and nothing here knows about the ``aegis``
 command: errors are :mod:`aegis.errors` / :mod:`aegis.read.errors`.
 
@@ -35,7 +36,7 @@ from collections.abc import Callable, Collection, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 from urllib.parse import urlparse
 
 from torch.distributed.checkpoint.metadata import (
@@ -51,7 +52,6 @@ from aegis.read.errors import SourceError
 from aegis.snapshot.codec import decode
 from aegis.snapshot.durable import (
     chunk_key,
-    fetch_chunks,
     list_steps,
     read_manifest,
     retention_victims,
@@ -86,6 +86,7 @@ __all__ = [
     "AegisCopy",
     "DcpCopy",
     "STATE_KINDS_FILE",
+    "DECODE_FACTOR",
     "needed_chunks",
     "resolve",
     "pick",
@@ -108,6 +109,11 @@ _DURABLE_KEY = re.compile(
 )
 _TRAILING_INT = re.compile(r"(?:^|[-_.]|step)(\d+)$")  # step-100, checkpoint_100, global_step100, 100
 _DISTCP_RANK = re.compile(r"^__(\d+)_\d+\.distcp$")
+
+# Peak bytes one durable download thread holds, per byte of chunk: the stored object, the decoded
+# chunk, and the codec's temporaries (codec._f32_join widens every byte plane of a float32
+# chunk to uint32: measured 8-9x the chunk).
+DECODE_FACTOR = 10
 
 Progress = Callable[[int], None]
 ChunkKey = tuple[int, int]  # (shard rank, chunk index)
@@ -667,21 +673,43 @@ class DurableLocation(Location):
         self.store.close()
 
 
-class _ChunkSink:
-    """What :func:`~aegis.snapshot.durable.fetch_chunks` writes a verified chunk into
-    (``out[offset:offset + length] = raw``): kept as bytes by offset, instead of a buffer the size
-    of the whole shard."""
-
-    def __init__(self) -> None:
-        self.chunks: dict[int, bytes] = {}
-
-    def __setitem__(self, where: slice, raw: bytes) -> None:
-        self.chunks[where.start] = bytes(raw)
+def fetch_chunk(store: ObjectStore, job: str, manifest: Manifest, rank: int, i: int) -> bytes:
+    """One durable chunk, downloaded, verified and decoded in the calling thread: the checks and
+    messages of :func:`aegis.snapshot.durable.fetch_chunks` (stored size and crc32c, a decode
+    bounded to the chunk, raw crc32c), returning the bytes instead of writing them into a
+    shard-sized buffer from a thread pool of its own."""
+    c = manifest.shard(rank).chunks[i]
+    step = manifest.step
+    key = chunk_key(job, step, rank, i)
+    where = f"{store.url}/{key}"
+    try:
+        blob = store.get(key)
+    except ObjectNotFound as e:
+        raise CorruptShardError(f"{where} is missing", step=step, rank=rank, chunk=i, where=where) from e
+    if len(blob) != c.stored_length or crc32c(blob) != c.stored_crc32c:
+        raise CorruptShardError(
+            f"crc32c mismatch in step {step}, rank {rank}, chunk {i}: object {where} is "
+            f"truncated or corrupt ({len(blob)} bytes, manifest says {c.stored_length})",
+            step=step, rank=rank, chunk=i, where=where)
+    try:
+        raw = decode(blob, c.codec, c.length, where=where)
+    except MemoryError as e:  # a zstd frame header may declare any size; decoding allocates it
+        raise CorruptShardError(
+            f"{where}: cannot decode (a compressed frame declares more bytes than the chunk's "
+            f"{c.length}); the object is damaged or forged", step=step, rank=rank, chunk=i,
+            where=where) from e
+    del blob
+    if crc32c(raw) != c.crc32c:
+        raise CorruptShardError(f"crc32c mismatch in step {step}, rank {rank}, chunk {i} after "
+                                f"decoding {where}", step=step, rank=rank, chunk=i, where=where)
+    return bytes(raw)
 
 
 class DurableCopy(AegisCopy):
     """A step on the durable tier: chunks are downloaded, verified (stored crc32c, decode, raw
-    crc32c) and decoded exactly as restore does (``fetch_chunks``)."""
+    crc32c) and decoded as restore does (:func:`fetch_chunk`), ``threads`` at a time (one: in
+    the calling thread). Each decoding thread holds the chunk's stored and decoded bytes and the
+    codec's temporaries: up to :data:`DECODE_FACTOR` times the chunk's length."""
 
     location: DurableLocation
 
@@ -697,21 +725,19 @@ class DurableCopy(AegisCopy):
         lock = threading.Lock()
 
         def one(rank: int, i: int) -> None:
-            sink = _ChunkSink()
-            c = m.shard(rank).chunks[i]
             try:
-                fetch_chunks(loc.store, loc.name, m, rank, [i], cast(memoryview, sink), threads=1)
+                data = fetch_chunk(loc.store, loc.name, m, rank, i)
             except AegisError as e:
                 with lock:
                     bad[(rank, i)] = e
                 return
             with lock:
-                ok[(rank, i)] = sink.chunks[c.offset]
-            progress(c.length)
+                ok[(rank, i)] = data
+            progress(len(data))
 
         pairs = [(r, i) for r, ids in sorted(wanted.items()) for i in sorted(ids)]
-        if len(pairs) == 1 or threads <= 1:
-            for r, i in pairs:
+        if threads <= 1 or len(pairs) == 1:
+            for r, i in pairs:  # in the calling thread: no new thread's malloc arena to grow
                 one(r, i)
         else:
             with ThreadPoolExecutor(max_workers=min(threads, len(pairs))) as pool:

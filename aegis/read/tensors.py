@@ -83,11 +83,11 @@ class ChunkReader(StorageReader):
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         return plans
 
-    def item_bytes(self, rank: int, offset: int, length: int) -> memoryview:
-        """Bytes [offset, offset + length) of the shard of ``rank``, from its chunks (a view when
-        one chunk holds them, else a copy of the pieces)."""
+    def item_pieces(self, rank: int, offset: int, length: int) -> list[memoryview]:
+        """Bytes [offset, offset + length) of the shard of ``rank``: views of the chunks that
+        hold them, in order (one view when one chunk holds them all)."""
         if length == 0:
-            return memoryview(b"")
+            return [memoryview(b"")]
         shard = self.manifest.shard(rank)
         have = self.chunks.get(rank, {})
         i = max(bisect.bisect_right(self._starts[rank], offset) - 1, 0)
@@ -104,14 +104,7 @@ class ChunkReader(StorageReader):
             pieces.append(memoryview(data)[lo:hi])
             pos = c.offset + hi
             i += 1
-        if len(pieces) == 1:
-            return pieces[0]
-        out = bytearray(length)
-        at = 0
-        for p in pieces:
-            out[at:at + len(p)] = p
-            at += len(p)
-        return memoryview(out)
+        return pieces
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         for req in plan.items:
@@ -124,26 +117,37 @@ class ChunkReader(StorageReader):
         return fut
 
     def _read_item(self, rank: int, req: ReadItem, rec: ItemRecord, planner: LoadPlanner) -> None:
-        data = self.item_bytes(rank, rec.file_offset, rec.length)
+        pieces = self.item_pieces(rank, rec.file_offset, rec.length)
         if req.type == LoadItemType.BYTE_IO:
-            planner.load_bytes(req, io.BytesIO(bytes(data)))
+            planner.load_bytes(req, io.BytesIO(b"".join(pieces)))
             return
         dtype = dtype_from_name(rec.dtype or "uint8")
-        shape = rec.shape or ()
-        if rec.length == 0:
-            stored = torch.empty(shape, dtype=dtype)
-        else:
-            with warnings.catch_warnings():  # read-only bytes: the tensor is only read
-                warnings.simplefilter("ignore", UserWarning)
-                stored = torch.frombuffer(data, dtype=dtype, count=rec.length // dtype.itemsize).view(shape)
-        src = _narrow(stored, req.storage_offsets, req.lengths)
+        shape = tuple(rec.shape or ())
         target = planner.resolve_tensor(req).detach()
-        if target.size() != src.size():
+        if tuple(target.size()) != tuple(req.lengths):
             raise ValueError(
                 f"size mismatch for {req.storage_index.fqn}: snapshot chunk "
-                f"{tuple(src.size())} vs destination {tuple(target.size())}"
+                f"{tuple(req.lengths)} vs destination {tuple(target.size())}"
             )
-        target.copy_(src)
+        whole = all(o == 0 for o in req.storage_offsets) and tuple(req.lengths) == shape
+        with warnings.catch_warnings():  # read-only bytes: the tensors are only read
+            warnings.simplefilter("ignore", UserWarning)
+            if len(pieces) > 1 and whole and target.is_contiguous():
+                # an item across chunk boundaries, copied piece by piece (boundaries are 64-byte
+                # aligned, so whole elements): no joined copy of the item
+                flat = target.view(-1)
+                at = 0
+                for p in pieces:
+                    n = len(p) // dtype.itemsize
+                    flat[at:at + n].copy_(torch.frombuffer(p, dtype=dtype, count=n))
+                    at += n
+            else:
+                data = pieces[0] if len(pieces) == 1 else memoryview(b"".join(pieces))
+                if rec.length == 0:
+                    stored = torch.empty(shape, dtype=dtype)
+                else:
+                    stored = torch.frombuffer(data, dtype=dtype, count=rec.length // dtype.itemsize).view(shape)
+                target.copy_(_narrow(stored, req.storage_offsets, req.lengths))
         planner.commit_tensor(req, target)
 
     @classmethod
