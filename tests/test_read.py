@@ -123,7 +123,8 @@ def test_newest_step_of_each_tier_loads_bitwise_into_a_plain_module(
     exported = tmp_path / "exported"
     capsys.readouterr()
     assert main(["export", str(job.store), str(exported), "--format", "dcp", "--job", "read-file"]) == 0
-    cases = [  # (what is opened, job, tier, newest step, whose state)
+    cases: list[tuple[tuple[str | Path, ...], str | None, str, int | None, str]] = [
+        # (what is opened, job, tier, newest step, whose state)
         ((job.store / "read-file",), None, "memory", 4, "read-file"),
         ((str(job.store),), "read-s3", "memory", 6, "read-s3"),
         ((job.file_url,), "read-file", "durable", 4, "read-file"),
@@ -249,12 +250,13 @@ def test_clear_errors_for_a_missing_step_and_a_wrong_uri(job: Job, tmp_path: Pat
             pytest.raises(NoSnapshotError, match=r"step 5 is not committed in any of .*committed: 2, 3, 4"):
         src.step(5)
     (tmp_path / "file").write_text("x")
-    for uri, message in [
+    wrong: list[tuple[str | Path, str]] = [
         (tmp_path / "nowhere", "no such file or directory"),
         (tmp_path / "file", "not a directory"),
         ("ftp://host/x", "unsupported scheme 'ftp'"),
         (str(job.store), r"holds several jobs \(read-file, read-s3\); choose one with job="),
-    ]:
+    ]
+    for uri, message in wrong:
         with pytest.raises(SourceError, match=message):
             aegis.open(uri)
     with pytest.raises(SourceError, match="no job 'nope' here"):

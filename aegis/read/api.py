@@ -21,9 +21,12 @@ the next copy that holds it: the snapshot's ``notes`` (and a :class:`DamagedCopy
 the damaged copy and the one used.
 
 Tensors are assembled whole from their shards through DCP with no process group, a batch of
-entries at a time: a read holds at most ``max_bytes`` of chunks besides the tensors it returns
-(a single entry larger than that is read alone), so ``load_into`` a preallocated model needs
-about ``max_bytes`` on top of the model, and ``tensors()`` streams a state of any size.
+entries at a time: a read holds at most ``max_bytes`` besides the tensors it returns: the
+verified chunks of one batch and, with a durable copy, each download thread's decoding
+(``DECODE_FACTOR`` x the chunk size; at least one thread and one entry are always allowed, so a
+single entry, or one decoding thread, larger than the budget overshoots it). ``load_into`` a
+preallocated model needs about ``max_bytes`` on top of the model, and ``tensors()`` streams a
+state of any size.
 Non-tensor entries (optimizer param groups, schedulers, samplers, per-rank state) are data:
 their serialized bytes, unpickled only when asked (``weights_only=True`` unless told otherwise).
 """
@@ -848,6 +851,8 @@ class Snapshot:
         weights_only=False) or ``"safetensors"`` (tensors only). Returns counts."""
         from aegis.read import export as _export
 
+        if format not in ("dcp", "torch", "safetensors"):
+            raise ValueError(f"format={format!r}: use 'dcp', 'torch' or 'safetensors'")
         path = Path(out)
         total = (self.bytes_to_read() if format == "dcp"
                  else self.bytes_to_read() + sum(self.entry_bytes(n) for n in self.keys()))
@@ -856,9 +861,7 @@ class Snapshot:
                 return _export.export_dcp(self, path, progress=bar.advance)
             if format == "torch":
                 return _export.export_torch(self, path, flat=flat, unpickle=unpickle, progress=bar.advance)
-            if format == "safetensors":
-                return _export.export_safetensors(self, path, progress=bar.advance)
-        raise ValueError(f"format={format!r}: use 'dcp', 'torch' or 'safetensors'")
+            return _export.export_safetensors(self, path, progress=bar.advance)
 
     def __repr__(self) -> str:
         n_t = len(self.keys())
