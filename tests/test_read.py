@@ -193,6 +193,16 @@ def test_entries_tensors_and_per_rank_state_are_data(job: Job, tmp_path: Path) -
             snap.load_into(small)
         report = snap.verify()
         assert report.ok and report.checksums and report.chunks > 0 and not report.failures
+    # lazily from the durable tier: small tensors share chunks, each chunk is downloaded once
+    with aegis.open(job.file_url, job="read-file") as src:
+        snap = src.latest()
+        assert snap.manifest is not None
+        store = snap.copies[0].location.store  # type: ignore[attr-defined]
+        before = store.stats.requests
+        with snap.lazy(prefix="app.model.model.") as lazy:
+            lazily = {k: lazy[k] for k in lazy}
+        assert all(bitwise_equal(lazily[k], v) for k, v in dump.items()) and set(lazily) == set(dump)
+        assert 0 < store.stats.requests - before <= sum(len(s.chunks) for s in snap.manifest.shards) < len(dump)
 
 
 def raw_pos(snap: aegis.Snapshot, rank: int) -> bytes:

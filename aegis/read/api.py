@@ -39,6 +39,7 @@ import os
 import re
 import tempfile
 import warnings
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -487,7 +488,8 @@ class Snapshot:
         return threads, max(biggest, max_bytes - threads * decode)
 
     def _fetch(self, wanted: Mapping[int, Sequence[int] | set[int]], progress: Any = None,
-               threads: int = 8, copies: Sequence[Copy] | None = None) -> dict[int, dict[int, bytes]]:
+               threads: int = 8, copies: Sequence[Copy] | None = None,
+               cache: _ChunkCache | None = None) -> dict[int, dict[int, bytes]]:
         """Verified raw chunks ``wanted`` (rank -> chunk indices), each from the first copy that
         holds it intact; damage in one copy read around in the next is noted. CorruptShardError
         when no copy has a chunk intact; SourceError when no opened copy holds a shard at all."""
@@ -496,6 +498,12 @@ class Snapshot:
         tell = progress if progress is not None else (lambda n: None)
         todo: set[ChunkKey] = {(r, i) for r, ids in wanted.items() for i in ids}
         got: dict[int, dict[int, bytes]] = {}
+        if cache is not None:
+            for key in list(todo):
+                hit = cache.get(key)
+                if hit is not None:
+                    got.setdefault(key[0], {})[key[1]] = hit
+                    todo.discard(key)
         damage: dict[ChunkKey, list[tuple[AegisCopy, AegisError]]] = {}
         for copy in copies if copies is not None else self.copies:
             if not todo or not isinstance(copy, AegisCopy):
@@ -511,6 +519,8 @@ class Snapshot:
             for (r, i), data in ok.items():
                 got.setdefault(r, {})[i] = data
                 todo.discard((r, i))
+                if cache is not None:
+                    cache.put((r, i), data)
                 for was, _ in damage.get((r, i), []):
                     repaired.setdefault((was, r), []).append(i)
             for key, err in bad.items():
@@ -543,7 +553,8 @@ class Snapshot:
     # -- reading tensors -------------------------------------------------------------------------
 
     def _load_batches(self, names: list[str], *, max_bytes: int, progress: Any,
-                      targets: Mapping[str, torch.Tensor] | None = None) -> Iterator[dict[str, torch.Tensor]]:
+                      targets: Mapping[str, torch.Tensor] | None = None,
+                      cache: _ChunkCache | None = None) -> Iterator[dict[str, torch.Tensor]]:
         """Full tensors of ``names``, one batch at a time (into ``targets`` when given)."""
         threads, chunk_bytes = self._plan(max_bytes)
         for group in self._batches(names, chunk_bytes):
@@ -555,11 +566,12 @@ class Snapshot:
                     raw = self.copies[0].entries[n]
                     assert isinstance(raw, TensorEntry)
                     sd[n] = torch.empty(raw.size, dtype=dtype_from_name(raw.dtype))
-            self._dcp_load(sd, group, progress=progress, threads=threads)
+            self._dcp_load(sd, group, progress=progress, threads=threads, cache=cache)
             yield sd
 
     def _dcp_load(self, sd: dict[str, Any], group: list[str], *, progress: Any, threads: int = 8,
-                  unpickle: bool = False, weights_only: bool = True) -> dict[str, bytes]:
+                  unpickle: bool = False, weights_only: bool = True,
+                  cache: _ChunkCache | None = None) -> dict[str, bytes]:
         primary = self.copies[0]
         on_tensor = progress
         if isinstance(primary, DcpCopy):
@@ -567,7 +579,7 @@ class Snapshot:
                 return dcp_load(sd, reader, step=self.step, unpickle=unpickle, weights_only=weights_only,
                                 on_tensor=on_tensor)
         assert self.manifest is not None
-        chunks = self._fetch(needed_chunks(self.manifest, group), progress, threads)
+        chunks = self._fetch(needed_chunks(self.manifest, group), progress, threads, cache=cache)
         try:
             return dcp_load(sd, ChunkReader(self.manifest, chunks), step=self.step, unpickle=unpickle,
                             weights_only=weights_only, on_tensor=on_tensor)
@@ -612,17 +624,25 @@ class Snapshot:
     def tensor(self, name: str, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
                progress: ProgressArg = None) -> torch.Tensor:
         """One full tensor, reading only the chunks that hold it."""
+        return self._tensor(name, dtype=dtype, device=device, progress=progress)
+
+    def _tensor(self, name: str, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
+                progress: ProgressArg = None, cache: _ChunkCache | None = None) -> torch.Tensor:
         if name not in self.entries or self.entries[name].kind != "tensor":
             self._select([name], None, "tensor")  # KeyError with near misses
             raise KeyError(f"{name!r} is not a tensor entry of step {self.step} of {self.uri} "
                            "(read objects with objects())")
-        [(_, t)] = list(self.tensors([name], dtype=dtype, device=device, max_bytes=1 << 62, progress=progress))
-        return t
+        total = self.bytes_to_read([name]) + self.entry_bytes(name)
+        with progress_bar(progress, f"reading {name}", total) as bar:
+            [sd] = list(self._load_batches([name], max_bytes=1 << 62, progress=bar.advance, cache=cache))
+        t = sd[name]
+        return t.to(device=device, dtype=dtype or t.dtype) if dtype is not None or device != "cpu" else t
 
-    def lazy(self, *, prefix: str | None = None) -> LazyTensors:
+    def lazy(self, *, prefix: str | None = None, cache_bytes: int = 64 << 20) -> LazyTensors:
         """A read-only mapping of name -> tensor that reads each tensor when it is looked up
-        (``safe_open``-like: ``keys()``, ``get_tensor(name)``, ``m[name]``)."""
-        return LazyTensors(self, prefix)
+        (``safe_open``-like: ``keys()``, ``get_tensor(name)``, ``m[name]``). The verified chunks
+        it read last (up to ``cache_bytes``) are kept: small tensors share chunks."""
+        return LazyTensors(self, prefix, cache_bytes=cache_bytes)
 
     def load_into(self, target: nn.Module | MutableMapping[str, torch.Tensor], *, prefix: str | None = None,
                   strict: bool = True, max_bytes: int = DEFAULT_MAX_BYTES,
@@ -892,9 +912,10 @@ class LazyTensors(Mapping[str, torch.Tensor]):
     tensor read (only its chunks, verified) when it is looked up. Names are relative to
     ``prefix`` when one was given."""
 
-    def __init__(self, snapshot: Snapshot, prefix: str | None = None) -> None:
+    def __init__(self, snapshot: Snapshot, prefix: str | None = None, *, cache_bytes: int = 64 << 20) -> None:
         self.snapshot = snapshot
         self.prefix = prefix or ""
+        self._cache = _ChunkCache(cache_bytes)
         names = snapshot.keys()
         self._names = [n[len(self.prefix):] for n in names if n.startswith(self.prefix)]
 
@@ -911,7 +932,7 @@ class LazyTensors(Mapping[str, torch.Tensor]):
     def __getitem__(self, key: str) -> torch.Tensor:
         if key not in self:
             raise KeyError(key)
-        return self.snapshot.tensor(self.prefix + key, progress=False)
+        return self.snapshot._tensor(self.prefix + key, progress=False, cache=self._cache)
 
     def get_tensor(self, key: str) -> torch.Tensor:
         return self[key]
@@ -923,5 +944,33 @@ class LazyTensors(Mapping[str, torch.Tensor]):
         return self
 
     def __exit__(self, *exc: object) -> None:
-        pass
+        self._cache.clear()
+
+
+class _ChunkCache:
+    """The verified chunks read last, up to ``limit`` bytes (least recently used out first)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.size = 0
+        self._data: OrderedDict[ChunkKey, bytes] = OrderedDict()
+
+    def get(self, key: ChunkKey) -> bytes | None:
+        data = self._data.get(key)
+        if data is not None:
+            self._data.move_to_end(key)
+        return data
+
+    def put(self, key: ChunkKey, data: bytes) -> None:
+        if key in self._data or len(data) > self.limit:
+            return
+        self._data[key] = data
+        self.size += len(data)
+        while self.size > self.limit:
+            _, old = self._data.popitem(last=False)
+            self.size -= len(old)
+
+    def clear(self) -> None:
+        self._data.clear()
+        self.size = 0
 
