@@ -784,6 +784,9 @@ def doctor_cmd(url: str, as_json: bool) -> int:
 from aegis.cli.plan import plan as _plan  # noqa: E402 - the group above must exist first
 
 cli.add_command(_plan)
+from aegis.cli.store import store as _store  # noqa: E402 - `aegis store serve|ping` (aegis/cli/store.py)
+
+cli.add_command(_store)
 
 
 # -- entry point ---------------------------------------------------------------------------------

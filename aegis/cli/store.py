@@ -1,0 +1,281 @@
+"""``aegis store``: run the store that a job's rendezvous and in-process recovery agree through.
+
+::
+
+    aegis store serve [--host 0.0.0.0] [--port 29400] [--health-port 29401]
+    aegis store ping HOST:PORT [--timeout 2] [--json]
+
+``serve`` hosts a c10d ``TCPStore`` (libuv) that no training node owns: torchrun's c10d
+rendezvous (``--rdzv-endpoint=HOST:PORT --rdzv-conf=is_host=false``) and aegis' membership
+(``AEGIS_MEMBERSHIP=HOST:PORT``) both use it, so losing any training node never takes it along.
+It prints one line per membership change, read from the membership keys
+(:mod:`aegis.training.inprocess.membership`) every ``--poll`` seconds by a client of its own:
+a process taking a slot in a round, a round formed (its members in rank order), a process
+registering to join the running job, join slots admitted, a member whose heartbeat stopped
+for ``--dead-after`` seconds (left) or moved again (back), the job done. Each poll reads O(members
+of the newest round + processes seen) keys: a membership-sized cost, nothing per training step.
+
+Health: ``--health-port`` serves ``GET /healthz`` (200 with a JSON body while the store answers
+a read within a second, 503 otherwise) for a Kubernetes ``httpGet`` probe; ``aegis store ping``
+reads one key through the store's own protocol and exits 0 (answered) or 1 (did not), for an
+``exec`` probe or a script. SIGTERM or SIGINT: the watcher and the health server stop, the store
+closes, exit 0.
+
+JSON (``ping --json``, schema ``aegis.store.ping/1``): ``address, ok, latency_ms, round (the
+newest round formed, null when none), members (its members in rank order), joining (processes
+registered to join and not yet admitted), error``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import socket
+import sys
+import threading
+import time
+from datetime import datetime, timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import click
+
+from aegis.cli._common import EXIT_FAILED, EXIT_OK, CliError
+
+__all__ = ["store", "Watcher", "read_state"]
+
+
+def _addr(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit():
+        raise CliError(f"{value!r}: give the store as HOST:PORT")
+    return host or "127.0.0.1", int(port)
+
+
+def _client(host: str, port: int, timeout_s: float) -> Any:
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1" if host in ("0.0.0.0", "::", "") else host, port, is_master=False,
+                    wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+
+
+def _get(s: Any, key: str) -> str | None:
+    return s.get(key).decode() if s.check([key]) else None
+
+
+def _count(s: Any, key: str) -> int:
+    return int(s.get(key).decode()) if s.check([key]) else 0
+
+
+def read_state(s: Any, start: int = 0) -> dict[str, Any]:
+    """The newest round formed from ``start`` on (members in rank order) and how many processes
+    wait to join; every read is a ``check`` first, so nothing is created."""
+    r, members = None, []
+    k = start
+    while s.check([f"aegis/round/{k}/members"]):
+        r, k = k, k + 1
+    if r is not None:
+        members = list(json.loads(s.get(f"aegis/round/{r}/members").decode())["members"])
+    registered, admitted = _count(s, "aegis/join/count"), _count(s, "aegis/admitted")
+    return {"round": r, "members": members, "joining": max(0, registered - admitted)}
+
+
+class Watcher:
+    """Reads the membership keys every ``poll_s`` and says what changed (``say``, one line
+    each). Called from the ``serve`` thread that owns it; :meth:`poll` is one pass."""
+
+    def __init__(self, client: Any, say: Any, *, dead_after_s: float) -> None:
+        self.s = client
+        self.say = say
+        self.dead_after_s = dead_after_s
+        self.round = 0  # the round whose slots are read next
+        self.slots: dict[int, int] = {}  # round -> slots announced
+        self.formed: set[int] = set()
+        self.joins = 0  # join slots announced
+        self.admitted = 0
+        self.done = False
+        self.beats: dict[str, tuple[int, float, bool]] = {}  # uid -> (counter, moved at, silent)
+
+    def _seen(self, uid: str) -> None:
+        self.beats.setdefault(uid, (-1, time.monotonic(), False))
+
+    def poll(self) -> None:
+        s = self.s
+        r = self.round
+        while True:  # rounds being formed or formed since the last pass
+            n = _count(s, f"aegis/round/{r}/count")
+            for i in range(self.slots.get(r, 0) + 1, n + 1):
+                uid = _get(s, f"aegis/round/{r}/slot/{i}")
+                if uid is None:
+                    break
+                self.slots[r] = i
+                self._seen(uid)
+                self.say(f"round {r}: {uid} joined (slot {i})")
+            record = _get(s, f"aegis/round/{r}/members")
+            if record is not None and r not in self.formed:
+                self.formed.add(r)
+                members = json.loads(record)["members"]
+                self.say(f"round {r} formed: {len(members)} member(s), in rank order {members}")
+            if not (record is not None and s.check([f"aegis/round/{r + 1}/count"])):
+                break
+            r += 1
+        self.round = r
+        if not self.done and s.check([f"aegis/round/{r}/done"]):
+            self.done = True
+            self.say(f"round {r} done: the job finished")
+        joins = _count(s, "aegis/join/count")
+        for i in range(self.joins + 1, joins + 1):
+            uid = _get(s, f"aegis/join/slot/{i}")
+            if uid is None:
+                break
+            self.joins = i
+            self._seen(uid)
+            self.say(f"{uid} registered to join the running job (join slot {i})")
+        admitted = _count(s, "aegis/admitted")
+        if admitted > self.admitted:
+            self.say(f"join slots {self.admitted + 1}..{admitted} admitted (round {r})")
+            self.admitted = admitted
+        now = time.monotonic()
+        for uid, (count, moved, silent) in list(self.beats.items()):
+            key = f"aegis/hb/{uid}"
+            c = _count(s, key)
+            if c != count:
+                if silent and count >= 0:
+                    self.say(f"{uid} is back (heartbeat moving again after {now - moved:.1f} s)")
+                self.beats[uid] = (c, now, False)
+            elif not silent and now - moved >= self.dead_after_s and not self.done:
+                self.say(f"{uid} left (no heartbeat for {now - moved:.1f} s)")
+                self.beats[uid] = (count, moved, True)
+
+
+def _log(msg: str) -> None:
+    click.echo(f"{datetime.now().isoformat(timespec='milliseconds')} aegis store: {msg}")
+    sys.stdout.flush()
+
+
+class _Health(BaseHTTPRequestHandler):
+    probe: Any = None
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        if self.path.split("?")[0] not in ("/healthz", "/"):
+            self.send_error(404)
+            return
+        try:
+            doc = {"ok": True, **self.probe()}
+            code = 200
+        except Exception as e:  # noqa: BLE001 - any failure to answer is unhealthy
+            doc, code = {"ok": False, "error": f"{type(e).__name__}: {e}"[:300]}, 503
+        body = (json.dumps(doc) + "\n").encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - probes are not news
+        pass
+
+
+@click.group("store")
+def store() -> None:
+    """Run the store that the job's rendezvous and in-process recovery (AEGIS_MEMBERSHIP) use."""
+
+
+@store.command("serve")
+@click.option("--host", default="0.0.0.0", show_default=True, help="Address to serve on.")
+@click.option("--port", type=click.IntRange(1, 65535), default=29400, show_default=True)
+@click.option("--health-port", type=click.IntRange(1, 65535), default=None,
+              help="Serve GET /healthz (HTTP) on this port too.")
+@click.option("--poll", "poll_s", type=click.FloatRange(min=0.05), default=0.5, show_default=True,
+              help="Seconds between reads of the membership keys.")
+@click.option("--dead-after", "dead_after_s", type=click.FloatRange(min=0.1), default=2.0,
+              show_default=True, help="A member whose heartbeat has not moved this long has left.")
+@click.option("--quiet", is_flag=True, help="No line per membership change.")
+def serve(host: str, port: int, health_port: int | None, poll_s: float, dead_after_s: float,
+          quiet: bool) -> int:
+    """Host the store (a c10d TCPStore, libuv) until SIGTERM; one line per membership change."""
+    from torch.distributed import TCPStore
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    try:
+        server = TCPStore(host, port, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=30), use_libuv=True)
+    except Exception as e:  # noqa: BLE001 - the port taken, an address not ours
+        raise CliError(f"cannot serve on {host}:{port}: {e}") from None
+    watch_client = _client(host, port, 10.0)
+    probe_client = _client(host, port, 1.0)
+    probe_lock = threading.Lock()
+
+    def probe() -> dict[str, Any]:
+        with probe_lock:
+            return read_state(probe_client)
+
+    httpd = None
+    if health_port is not None:
+        handler = type("Health", (_Health,), {"probe": staticmethod(probe)})
+        httpd = ThreadingHTTPServer((host, health_port), handler)
+        threading.Thread(target=httpd.serve_forever, name="aegis-store-health", daemon=True).start()
+    _log(f"ready on {host}:{port} (c10d TCPStore, libuv)"
+         + (f", health on http://{host}:{health_port}/healthz" if httpd else "")
+         + f"; membership read every {poll_s:g} s")
+    watcher = Watcher(watch_client, _log if not quiet else (lambda m: None), dead_after_s=dead_after_s)
+    while not stop.is_set():
+        try:
+            watcher.poll()
+        except Exception as e:  # noqa: BLE001 - a torn read: say it, go on serving
+            _log(f"membership read failed ({type(e).__name__}: {e})")
+        stop.wait(poll_s)
+    if httpd is not None:
+        httpd.shutdown()
+        httpd.server_close()
+    del watch_client, server  # the clients, then the server: the port is free when this returns
+    _log("stopped")
+    return EXIT_OK
+
+
+@store.command("ping")
+@click.argument("address", metavar="HOST:PORT")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0.1), default=2.0, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
+def ping(address: str, timeout_s: float, as_json: bool) -> int:
+    """Exit 0 if the store at HOST:PORT answers a read within --timeout, else 1."""
+    host, port = _addr(address)
+    doc: dict[str, Any] = {"schema": "aegis.store.ping/1", "address": f"{host}:{port}", "ok": False,
+                           "latency_ms": None, "round": None, "members": [], "joining": 0, "error": None}
+    t0 = time.perf_counter()
+    result: dict[str, Any] = {}
+
+    def attempt() -> None:  # a client whose connect can hang on a cut link: bounded below
+        try:
+            # a plain connect first: nothing listening is said in one line (c10d's client
+            # retries and logs a stack per attempt)
+            socket.create_connection((host, port), timeout=timeout_s).close()
+            c = _client(host, port, timeout_s)
+            c.check(["aegis/ping"])
+            result["latency_ms"] = (time.perf_counter() - t0) * 1e3
+            result.update(read_state(c))
+        except Exception as e:  # noqa: BLE001 - reported as not answering
+            result["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else e}"[:300]
+
+    t = threading.Thread(target=attempt, daemon=True)
+    t.start()
+    t.join(timeout_s + 1.0)
+    if "latency_ms" not in result:
+        doc["error"] = result.get("error") or f"no answer within {timeout_s:g} s"
+    else:
+        doc.update(ok=True, **{k: result[k] for k in ("latency_ms", "round", "members", "joining")})
+    if as_json:
+        click.echo(json.dumps(doc, indent=2))
+    elif doc["ok"]:
+        rnd = "no round formed yet" if doc["round"] is None else (
+            f"round {doc['round']}, {len(doc['members'])} member(s)")
+        click.echo(f"ok: {doc['address']} answered in {doc['latency_ms']:.1f} ms; {rnd}, "
+                   f"{doc['joining']} waiting to join")
+    else:
+        click.echo(f"aegis: error: {doc['address']} did not answer: {doc['error']}", err=True)
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+    return EXIT_OK if doc["ok"] else EXIT_FAILED
