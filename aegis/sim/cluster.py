@@ -1,15 +1,18 @@
 """A simulated multi-node cluster on one machine.
 
-Each node is a torchrun agent with its own ``AEGIS_NODE_ID`` and node store directory. The
-agents meet through c10d rendezvous hosted by a standalone ``TCPStore`` process that no node
-owns (agents run with ``is_host=false``), and ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` makes
-every rendezvous round publish a fresh master address. Measured here: with the store hosted by
-one of the agents (torchrun's default), a replacement node never joined after that agent's node
-was lost.
+Each node is a torchrun agent (or ``python -m aegis.launch``, torchelastic's agent with a
+worker's death left to in-process recovery) with its own ``AEGIS_NODE_ID`` and node store
+directory, shared by the node's ranks. The agents meet through c10d rendezvous hosted by
+``aegis store serve``, a process that no node owns (agents run with ``is_host=false``; in-process
+recovery's membership lives in the same store), and ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
+makes every rendezvous round publish a fresh master address. Measured here: with the store
+hosted by one of the agents (torchrun's default), a replacement node never joined after that
+agent's node was lost.
 
 Losing a node = SIGKILL its agent and its workers (they run in their own sessions, so the
 agent's process group does not cover them) and delete its node store. A replacement node is a
-new agent with a new id and an empty store.
+new agent with a new id and an empty store. Losing a worker = SIGKILL one worker process; the
+agent, the node's other workers and its store stay.
 
 On a real cluster the same roles are: a rendezvous endpoint that outlives any training node
 (a small always-on host, or etcd with ``--rdzv_backend=etcd-v2``), ``--nnodes=MIN:MAX`` with
@@ -30,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from aegis.sim.netns import NetnsNetwork
-from aegis.sim.procs import descendants, kill_tree, wait_gone
+from aegis.sim.procs import children, descendants, kill_tree, wait_gone
 
 __all__ = ["SimCluster", "SimNode", "free_port"]
 
@@ -60,24 +63,33 @@ class SimNode:
         """Worker pids (the agent's descendants)."""
         return descendants(self.proc.pid) if self.alive else []
 
+    def worker_pids(self) -> dict[int, int]:
+        """The agent's workers by local rank (``LOCAL_RANK`` in each child's environment)."""
+        out: dict[int, int] = {}
+        for pid in children(self.proc.pid) if self.alive else []:
+            rank = _env_of(pid).get("LOCAL_RANK")
+            if rank is not None and rank.isdigit():
+                out[int(rank)] = pid
+        return out
 
-_STORE_MAIN = """
-import signal, sys, time
-from datetime import timedelta
-from torch.distributed import TCPStore
-store = TCPStore(sys.argv[2], int(sys.argv[1]), is_master=True, wait_for_workers=False,
-                 timeout=timedelta(seconds=600))
-print("ready", flush=True)
-signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
-while True:
-    time.sleep(3600)
-"""
+
+def _env_of(pid: int) -> dict[str, str]:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return {}
+    return dict(kv.decode(errors="replace").split("=", 1) for kv in raw.split(b"\0") if b"=" in kv)
 
 
 class SimCluster:
     """N simulated nodes running ``command`` (a script and its arguments) under torchrun.
 
     ``min_nodes < nodes`` lets the world shrink when a node is lost and no replacement comes.
+    ``nproc_per_node``: ranks per node; they share the node's store (its first rank writes the
+    manifests). ``on_worker_failure``: run the agents with ``python -m aegis.launch`` and that
+    policy (``replace``, ``leave``, ``restart``) instead of torchrun, so that one worker's death
+    (:meth:`kill_worker`) is left to in-process recovery.
     ``network``: give every node its own network namespace (see :mod:`aegis.sim.netns`), so
     that its link can be cut. ``store_tmpfs_bytes``: mount a tmpfs of that size as each node's
     store (root only), so that one node's store can fill up.
@@ -99,6 +111,7 @@ class SimCluster:
         last_call_timeout: int = 1,
         network: NetnsNetwork | None = None,
         store_tmpfs_bytes: int | None = None,
+        on_worker_failure: str | None = None,
     ) -> None:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -114,6 +127,7 @@ class SimCluster:
         self.last_call_timeout = last_call_timeout
         self.network = network
         self.store_tmpfs_bytes = store_tmpfs_bytes
+        self.on_worker_failure = on_worker_failure
         self.host = network.hub if network else "127.0.0.1"
         self.port = free_port()
         self.nodes: dict[str, SimNode] = {}
@@ -124,17 +138,28 @@ class SimCluster:
     # -- lifecycle -----------------------------------------------------------------------------
 
     def start(self) -> SimCluster:
-        self._store = subprocess.Popen(
-            [sys.executable, "-c", _STORE_MAIN, str(self.port), self.host],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-        )
-        assert self._store.stdout is not None
-        line = self._store.stdout.readline()
-        if b"ready" not in line:
-            raise RuntimeError(f"rendezvous store did not start: {line!r}")
+        self.start_store()
         for _ in range(self.initial_nodes):
             self.add_node()
         return self
+
+    def start_store(self, timeout: float = 120.0) -> subprocess.Popen[bytes]:
+        """The rendezvous and membership store, as a cluster user runs it: ``aegis store serve``
+        on the hub address, its log (one line per membership change) in ``store.log``."""
+        log = self.workdir / "store.log"
+        start = log.stat().st_size if log.exists() else 0
+        with open(log, "ab") as out:
+            self._store = subprocess.Popen(
+                [sys.executable, "-m", "aegis.cli", "store", "serve", "--host", self.host,
+                 "--port", str(self.port), "--poll", "0.5"],
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+        deadline = time.monotonic() + timeout
+        while b"ready on" not in log.read_bytes()[start:]:
+            if self._store.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the rendezvous store did not start: {log.read_bytes()[start:]!r}")
+            time.sleep(0.05)
+        return self._store
 
     def add_node(self, *, solo: bool = False) -> SimNode:
         """Start a node with a new id and an empty node store (a replacement, or the first).
@@ -187,7 +212,8 @@ class SimCluster:
         )
         cmd = [
             *prefix,
-            sys.executable, "-m", "torch.distributed.run",
+            sys.executable, "-m", "torch.distributed.run" if self.on_worker_failure is None else "aegis.launch",
+            *([f"--on-worker-failure={self.on_worker_failure}"] if self.on_worker_failure else []),
             "--nnodes=1" if solo else f"--nnodes={self.min_nodes}:{self.max_nodes}",
             f"--nproc_per_node={self.nproc}",
             "--rdzv_backend=c10d",
@@ -234,6 +260,15 @@ class SimCluster:
         if self.network is not None:
             self.network.remove(node.index)
         return t
+
+    def kill_worker(self, node_id: str, local_rank: int) -> tuple[float, int]:
+        """SIGKILL one worker process of a node (not its agent, not its node store): a GPU
+        fallen off the bus, an OOM kill, a segfault. Returns the kill time and the pid."""
+        pid = self.nodes[node_id].worker_pids()[local_rank]
+        t = time.time()
+        os.kill(pid, signal.SIGKILL)
+        wait_gone([pid], timeout=10)
+        return t, pid
 
     def _drop_store(self, node: SimNode) -> None:
         shutil.rmtree(node.store_dir, ignore_errors=True)
@@ -289,8 +324,12 @@ class SimCluster:
             with contextlib.suppress(Exception):
                 node.proc.wait(timeout=5)
         if self._store is not None and self._store.poll() is None:
-            self._store.kill()
-            self._store.wait(timeout=5)
+            self._store.terminate()
+            try:
+                self._store.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._store.kill()
+                self._store.wait(timeout=5)
         if self.store_tmpfs_bytes:
             for node in self.nodes.values():
                 subprocess.run(["umount", "-l", str(node.store_dir)], check=False, capture_output=True)

@@ -44,10 +44,17 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def read_events(workdir: Path) -> list[dict[str, Any]]:
+    """Every rank's events, in time order, each with ``_node`` and ``_pid`` (the process that
+    wrote it: the pid of the last ``start`` event before it in the same rank file; in-process
+    rounds renumber ranks, so one file holds several processes' events)."""
     out = []
     for f in sorted((workdir / "events").glob("*/rank-*.jsonl")):
+        pid = None
         for e in read_jsonl(f):
+            if e.get("event") == "start":
+                pid = e.get("pid")
             e["_node"] = f.parent.name
+            e["_pid"] = pid
             out.append(e)
     return sorted(out, key=lambda e: e["time"])
 
@@ -73,13 +80,17 @@ def wait_exited(pids: set[int], timeout: float) -> float | None:
 @dataclass
 class Kill:
     """Lose a node: after ``after_step`` is logged (node given by id), or when the fault marker
-    of ``fault`` appears (the node that hit it). ``replace``: a replacement joins."""
+    of ``fault`` appears (the node that hit it). ``replace``: a replacement joins. ``worker``:
+    lose only that local rank's worker process (SIGKILL; the agent, the node's other workers and
+    its node store stay): with ``Scenario.on_worker_failure="replace"`` its agent starts a new
+    process in its place, which joins at the survivors' next snapshot."""
 
     after_step: int | None = None
     node: str | None = None
     fault: str | None = None  # an AEGIS_FAIL_AT entry, run in pause mode
     replace: bool = True
     delay: float = 0.1  # after the step is logged, so the node is between steps
+    worker: int | None = None  # a local rank: kill that worker only
 
 
 @dataclass
@@ -89,6 +100,10 @@ class KillRecord:
     t_detect: float | None
     committed: list[int]  # committed steps on the survivors once their workers were gone
     trigger: str
+    worker: int | None = None  # a worker kill: its local rank
+    victim: int | None = None  # ... its pid
+    others: list[int] = field(default_factory=list)  # the other workers' pids at the kill
+    replacement: int | None = None  # the new process its agent started for that local rank
 
 
 @dataclass
@@ -124,6 +139,9 @@ class Scenario:
     # aegis.run_in_process: survivors recover in place; replacements (their own torchrun
     # rendezvous) join at a snapshot; the world may shrink to nodes - 1 meanwhile
     in_process: bool = False
+    nproc_per_node: int = 1  # ranks per node, sharing the node's store
+    # run the agents with aegis.launch and this policy (None: torchrun)
+    on_worker_failure: str | None = None
 
     def run(self) -> ScenarioResult:
         work = Path(self.workdir)
@@ -134,7 +152,8 @@ class Scenario:
         fault_spec = ",".join(k.fault for k in self.kills if k.fault)
         shrink = any(not k.replace for k in self.kills)
         lost = sum(1 for k in self.kills if not k.replace)
-        inproc = ["--in-process", "--min-world", str(max(1, self.nodes - max(1, lost)))] if self.in_process else []
+        min_world = max(1, (self.nodes - max(1, lost)) * self.nproc_per_node)
+        inproc = ["--in-process", "--min-world", str(min_world)] if self.in_process else []
         cluster = SimCluster(
             work,
             [TRAINER, "--config", self.config, "--steps", str(self.steps), "--dropout", "0.1",
@@ -142,6 +161,8 @@ class Scenario:
              "--digest-log", str(digest_log), "--step-sleep", str(self.step_sleep), *inproc,
              *self.extra_args],
             nodes=self.nodes,
+            nproc_per_node=self.nproc_per_node,
+            on_worker_failure=self.on_worker_failure,
             min_nodes=self.nodes - sum(1 for k in self.kills if not k.replace) if shrink else self.nodes,
             max_nodes=self.nodes,
             job=self.job,
@@ -154,6 +175,9 @@ class Scenario:
             cluster.start()
             for kill in self.kills:
                 node, trigger = self._wait_trigger(kill, cluster, loss_log, faults, deadline)
+                if kill.worker is not None:
+                    records.append(self._kill_worker(cluster, node, kill.worker, trigger, deadline))
+                    continue
                 survivors = [n for n in cluster.alive_nodes() if n != node]
                 old = {p for n in survivors for p in cluster.nodes[n].workers()}
                 t_kill = cluster.kill_node(node)
@@ -187,6 +211,32 @@ class Scenario:
                                 read_events(work))
         self._check(result)
         return result
+
+    def _kill_worker(self, cluster: SimCluster, node: str, local: int, trigger: str,
+                     deadline: float) -> KillRecord:
+        """SIGKILL one worker; note the other workers' pids and the process started in its
+        place (if its agent starts one)."""
+        before = {n: cluster.nodes[n].worker_pids() for n in cluster.alive_nodes()}
+        victim = before[node][local]
+        others = sorted(p for pids in before.values() for p in pids.values() if p != victim)
+        t_kill, _ = cluster.kill_worker(node, local)
+        t_detect = None
+        if self.in_process:
+            time.sleep(0.3)  # the survivors restore ~1 s after the kill: what every store holds now
+        else:
+            t_detect = wait_exited(set(others), max(deadline - time.monotonic(), 1))
+        committed = self._committed(cluster, cluster.alive_nodes())
+        replacement = None
+        until = min(deadline, time.monotonic() + 30)
+        while time.monotonic() < until and cluster.nodes[node].alive:
+            pid = cluster.nodes[node].worker_pids().get(local)
+            if pid is not None and pid != victim:
+                replacement = pid
+                break
+            time.sleep(0.02)
+        return KillRecord(f"{node}/{local}", t_kill, t_detect, committed,
+                          f"worker (local rank {local}, pid {victim}) {trigger}", worker=local,
+                          victim=victim, others=others, replacement=replacement)
 
     def _committed(self, cluster: SimCluster, nodes: list[str]) -> list[int]:
         return sorted({s.step for n in nodes
@@ -252,6 +302,47 @@ class Scenario:
                 f"loss {i + 1}: restored state equals the state saved at step {step}",
                 bool(back) and saved.get(step) == back[0]["digest"],
             ))
+            if k.worker is not None and self.in_process:
+                self._check_worker_kill(r, i, k, nxt)
+
+    def _check_worker_kill(self, r: ScenarioResult, i: int, k: KillRecord, nxt: float) -> None:
+        """A worker kill under in-process recovery: the other workers kept their processes,
+        and (``replace``) a new process took the dead rank's place at a snapshot, bitwise."""
+        after = [e for e in r.events if k.t_kill < e["time"] < nxt]
+        started = {e["pid"] for e in after if e["event"] == "start"}
+        if self.on_worker_failure == "leave":
+            node = k.node.split("/")[0]
+            ours = {e["pid"] for e in r.events if e["event"] == "start" and e["_node"] == node}
+            stayed = set(k.others) - ours
+            r.checks.append((f"loss {i + 1}: the other nodes' processes went on in place "
+                             f"(Manager starts after the kill by {sorted(started)}, kept {sorted(stayed)})",
+                             bool(stayed) and started <= stayed))
+            return
+        r.checks.append((
+            f"loss {i + 1}: the other ranks' processes went on in place (pids {k.others}; Manager "
+            f"starts after the kill by {sorted(started)})",
+            set(k.others) <= started and started <= {*k.others, k.replacement}))
+        r.checks.append((f"loss {i + 1}: local rank {k.worker} (pid {k.victim}) was replaced by a new "
+                         f"process ({k.replacement})", k.replacement is not None))
+        joined = [e for e in after if e["event"] == "restore" and e.get("found")
+                  and e["_pid"] == k.replacement]
+        if not joined:
+            r.checks.append((f"loss {i + 1}: the new process {k.replacement} restored a snapshot", False))
+            return
+        step, t = joined[0]["step"], joined[0]["time"]
+        same = {e["_pid"] for e in after if e["event"] == "restore" and e.get("found")
+                and e["step"] == step and abs(e["time"] - t) < 30}
+        r.checks.append((f"loss {i + 1}: the new process joined at step {step} with every other rank "
+                         f"({len(same)} processes restored it)",
+                         same == {*k.others, k.replacement}))
+        # the state saved at that step last before the join (a step may be trained twice: once
+        # before a rollback, once after it)
+        saved = [d["digest"] for d in r.digests if d["phase"] == "saved" and d["step"] == step
+                 and d["time"] < t]
+        back = [d["digest"] for d in r.digests if d["phase"] == "restored" and d["step"] == step
+                and d["time"] > k.t_kill]
+        r.checks.append((f"loss {i + 1}: the state restored at the join (step {step}) equals the state "
+                         "saved at that step", bool(back) and bool(saved) and back[0] == saved[-1]))
 
 
 def _worker_failed(log: Path) -> bool:

@@ -3,11 +3,14 @@ cluster, with the invariants checked after every fault.
 
     python -m tests.chaos.campaign --seed 1 --faults 50      # `make chaos`
     python -m tests.chaos.campaign --seed 1 --faults 50 --in-process   # `make chaos-inprocess`
+    python -m tests.chaos.campaign --topology 3x2 --in-process --kinds ...,worker_kill
 
 The reference trainer runs on 3 simulated nodes (min 2: the world may shrink) with a memory
 snapshot every step, one replica, and durable uploads to a loopback S3 server (moto) behind a
 TCP forwarder. Each node has its own network namespace (when the machine allows it) and its own
-small tmpfs node store. Fault kinds:
+small tmpfs node store. ``--topology NxR``: N nodes of R ranks each (default ``3x1``; ``3x2``:
+multi-rank nodes whose ranks share the node store; ``6x1``: room for Reed-Solomon 4+2 with
+``--redundancy rs``); the world may shrink by one node. Fault kinds:
 
 * ``kill``        SIGKILL of a random node at a random moment (agent, workers, node store); a
                   replacement joins, or the world shrinks (and grows back later);
@@ -17,14 +20,23 @@ small tmpfs node store. Fault kinds:
 * ``s3_outage``   the S3 endpoint down (connections refused and reset) or hung (the server
                   SIGSTOPped), then back;
 * ``store_full``  a node's tmpfs node store filled to the last byte, then freed;
-* ``double_kill`` a second node lost while the job recovers from the first loss.
+* ``double_kill`` a second node lost while the job recovers from the first loss;
+* ``worker_kill`` SIGKILL of one worker process of a node (a GPU fallen off the bus, an OOM, a
+                  segfault); the agent, the node's other ranks and its store stay. Not in the
+                  default mix (``KINDS``, which ``make chaos`` and ``make chaos-inprocess`` run).
+
+Adding a fault kind: a name in ``ALL_KINDS`` and a method ``_fault_<name>(rec)`` that injects it,
+fills ``rec.detail`` and ``rec.t_end``, and calls ``_resolve`` with what it expects (a recovery,
+none, or either); ``_resolve`` then checks every invariant below.
 
 ``--in-process``: the trainer runs under ``aegis.run_in_process`` (min world 2): survivors
 re-form their groups in place, a frozen or cut-off node is fenced off and rejoins when it comes
 back, replacement nodes start with a torchrun rendezvous of their own (``add_node(solo=True)``)
-and join at a snapshot, and an agent that exits is relaunched alone. A fault's ``restarts`` then
-counts worker processes started again on a node that already ran one (0 when every recovery
-was in place), ``in place`` the rounds re-formed.
+and join at a snapshot, and an agent that exits is relaunched alone. The agents are
+``python -m aegis.launch --on-worker-failure=replace``: a worker that dies is started again alone
+and joins at a snapshot (torchrun would restart every worker of the job). A fault's ``restarts``
+then counts worker processes started again on a node that already ran one (0 when every recovery
+was in place; 1 for a worker kill: its replacement), ``in place`` the rounds re-formed.
 
 Invariants, checked from the trainer's logs, the aegis events and the stores:
 
@@ -69,8 +81,12 @@ from aegis.sim.scenario import TRAINER, read_events, read_jsonl, wait_exited
 from aegis.snapshot.node_store import NodeStore
 from tests.servers import S3_ENV, free_port, start_moto
 
+# The default mix (its order fixes the seeded schedule of `make chaos` / `make chaos-inprocess`)
 KINDS = ("kill", "freeze", "partition", "s3_outage", "store_full", "double_kill")
-RESTART_KINDS = ("kill", "double_kill")
+# Every kind the campaign can inject (`--kinds`); each has a `Campaign._fault_<kind>` method.
+ALL_KINDS = (*KINDS, "worker_kill")
+RESTART_KINDS = ("kill", "double_kill", "worker_kill")
+TOPOLOGIES = ("3x1", "3x2", "6x1")
 BUCKET = "aegis-chaos"
 
 
@@ -80,6 +96,7 @@ class Config:
     faults: int = 50
     kinds: tuple[str, ...] = KINDS
     nodes: int = 3
+    nproc_per_node: int = 1  # ranks per node (--topology NxR), sharing the node's store
     workdir: Path = Path("/tmp/aegis-chaos")
     snapshot_timeout: float = 6.0  # aegis Manager(timeout=)
     pg_timeout: float = 12.0  # the training process group's collectives
@@ -94,6 +111,16 @@ class Config:
     network: bool = True  # network namespaces, when the machine allows them
     in_process: bool = False  # aegis.run_in_process instead of torchrun restarts
     redundancy: str = "replica"  # or "xor" / "rs": one parity group over all nodes (issue 16)
+
+    @property
+    def world(self) -> int:
+        """Ranks at full size."""
+        return self.nodes * self.nproc_per_node
+
+    @property
+    def launcher_policy(self) -> str | None:
+        """In-process: ``aegis.launch`` agents that replace a dead worker alone; else torchrun."""
+        return "replace" if self.in_process else None
 
 
 @dataclass
@@ -145,6 +172,7 @@ class Campaign:
         self.loss_log = self.work / "loss.jsonl"
         self.digest_log = self.work / "digest.jsonl"
         self.job = "chaos"
+        self.requested: tuple[str, ...] = cfg.kinds
 
     # -- infrastructure ------------------------------------------------------------------------
 
@@ -218,7 +246,8 @@ class Campaign:
                 "--timeout", str(c.snapshot_timeout), "--pg-timeout", str(c.pg_timeout),
                 "--loss-log", str(loss), "--digest-log", str(digest),
                 "--step-sleep", str(c.step_sleep)] + (
-                    ["--in-process", "--min-world", str(c.nodes - 1)] if c.in_process else [])
+                    ["--in-process", "--min-world", str((c.nodes - 1) * c.nproc_per_node)]
+                    if c.in_process else [])
 
     def _add_node(self) -> Any:
         """A replacement node. In-process: with a rendezvous of its own, so that the running
@@ -243,7 +272,8 @@ class Campaign:
         ref = self.work / "reference"
         loss, digest = ref / "loss.jsonl", ref / "digest.jsonl"
         cl = SimCluster(ref, self._trainer_args(100_000, "reference", loss, digest),
-                        nodes=self.cfg.nodes, job="reference", env=self._env())
+                        nodes=self.cfg.nodes, nproc_per_node=self.cfg.nproc_per_node, job="reference",
+                        env=self._env())
         try:
             cl.start()
             deadline = time.monotonic() + 300
@@ -275,6 +305,7 @@ class Campaign:
         shutil.rmtree(self.work, ignore_errors=True)
         self.work.mkdir(parents=True)
         kinds = list(cfg.kinds)
+        self.requested = tuple(kinds)
         if cfg.network:
             self.net_reason = netns_available()
         else:
@@ -294,7 +325,8 @@ class Campaign:
             self._run_reference()
             self.cluster = SimCluster(
                 self.work, self._trainer_args(100_000, self.job, self.loss_log, self.digest_log),
-                nodes=cfg.nodes, min_nodes=cfg.nodes - 1, max_nodes=cfg.nodes, job=self.job,
+                nodes=cfg.nodes, nproc_per_node=cfg.nproc_per_node, min_nodes=cfg.nodes - 1,
+                max_nodes=cfg.nodes, job=self.job, on_worker_failure=cfg.launcher_policy,
                 env=self._env(), network=self.net,
                 store_tmpfs_bytes=cfg.store_tmpfs_mb << 20 if full_ok else None,
             )
@@ -335,113 +367,181 @@ class Campaign:
     # -- faults ----------------------------------------------------------------------------------
 
     def _inject(self, i: int, kind: str) -> FaultRecord:
-        cl = self.cluster
-        assert cl is not None
+        """Fault ``i``: a random node, at a random moment; the kind's ``_fault_<kind>`` method
+        injects it and resolves it (see the module docstring)."""
         node = self.rng.choice(self._participants())
         delay = self.rng.uniform(0.0, 1.0)  # a random moment within the next step or so
         step_before = self._last_step()
         time.sleep(delay)
-        t = time.time()
-        rec = FaultRecord(i + 1, kind, node, "", t, step_before=step_before)
-        if kind == "kill":
-            replace = self.rng.random() < 0.6 or len(self._participants()) <= cl.min_nodes
-            survivors = [n for n in self._participants() if n != node]
-            old = {p for n in survivors for p in cl.nodes[n].workers()}
-            rec.t_start = cl.kill_node(node)
-            if self.cfg.in_process:
-                # the survivors restore in place ~1 s after the kill and commit newer steps
-                # soon after: what they held is read now
-                time.sleep(0.3)
-                committed = self._committed_on(survivors)
-                if replace:
-                    self._add_node()
-                self._wait_recovered(rec.t_start, 60)
-            else:
-                if replace:
-                    cl.add_node()
-                wait_exited(old, 60)
-                committed = self._committed_on(survivors)
-            rec.detail = f"{'replacement' if replace else 'shrink'}; survivors held {committed[-2:]}"
-            rec.t_end = time.time()
-            self._resolve(rec, expect_restart=True, newest=committed[-1] if committed else None,
-                          survivors=survivors)
-        elif kind == "double_kill":
-            other = self.rng.choice([n for n in self._participants() if n != node])
-            survivors = [n for n in self._participants() if n not in (node, other)]
-            old = {p for n in survivors + [other] for p in cl.nodes[n].workers()}
-            rec.t_start = cl.kill_node(node)
-            self._add_node()
-            if self.cfg.in_process:
-                self._wait_recovered(rec.t_start, 60)  # the first recovery has begun
-            else:
-                wait_exited(old, 60)  # the first recovery has begun
-            gap = self.rng.uniform(0.0, 3.0)
-            time.sleep(gap)
-            cl.kill_node(other)
-            self._add_node()
-            rec.detail = f"then {other} {gap:.1f} s into the recovery; replacements join"
-            rec.t_end = time.time()
-            self._resolve(rec, expect_restart=True)
-        elif kind == "freeze":
-            dur = self.rng.uniform(self.cfg.snapshot_timeout + 2, self.cfg.pg_timeout + 8)
-            pids = cl.stop_node(node)
-            time.sleep(dur)
-            cl.cont_node(pids)
-            rec.detail = f"SIGSTOP for {dur:.1f} s (snapshot timeout {self.cfg.snapshot_timeout:.0f} s)"
-            rec.t_end = time.time()
-            self._resolve(rec, expect_restart=None)
-        elif kind == "partition":
-            assert self.net is not None
-            dur = self.rng.uniform(self.cfg.snapshot_timeout + 2, self.cfg.pg_timeout + 8)
-            self.net.cut(cl.nodes[node].index)
-            time.sleep(dur)
-            if node in self.net_nodes():
-                self.net.heal(cl.nodes[node].index)
-            rec.detail = f"link down for {dur:.1f} s"
-            rec.t_end = time.time()
-            self._resolve(rec, expect_restart=None)
-        elif kind == "s3_outage":
-            dur = self.rng.uniform(8.0, 20.0)
-            mode = self.rng.choice(["down", "hang"])
-            rec.node = "s3"
-            self._monitor_paused.set()
-            if mode == "down":
-                self.proxy.down()
-            else:
-                assert self.moto is not None
-                os.kill(self.moto.pid, signal.SIGSTOP)
-            time.sleep(dur)
-            if mode == "down":
-                self.proxy.up()
-            else:
-                assert self.moto is not None
-                os.kill(self.moto.pid, signal.SIGCONT)
-            self._monitor_paused.clear()
-            rec.detail = f"endpoint {'down (refused/reset)' if mode == 'down' else 'hung (SIGSTOP)'} for {dur:.1f} s"
-            rec.t_end = time.time()
-            self._resolve(rec, expect_restart=False)
-            self._check_uploads_caught_up(rec)
-        elif kind == "store_full":
-            dur = self.rng.uniform(2.0, 6.0)
-            store = cl.nodes[node].store_dir
-            ballast = fill(store)
-            time.sleep(dur)
-            # held full until a snapshot met it (a slow first step must not pass the window
-            # without one), at most 30 s more
-            until = time.time() + 30
-            while time.time() < until and not any(
-                    e["event"] == "snapshot" and e.get("skipped") and e["time"] >= rec.t_start
-                    for e in self._events()):
-                time.sleep(0.5)
-            with contextlib.suppress(FileNotFoundError):
-                ballast.unlink()
-            rec.detail = f"tmpfs store full for {time.time() - rec.t_start:.1f} s"
-            rec.t_end = time.time()
-            self._resolve(rec, expect_restart=False)
-            skipped = [e for e in self._events() if e["event"] == "snapshot" and e.get("skipped")
-                       and rec.t_start <= e["time"] <= rec.t_end + 2]
-            rec.checks.append((f"memory snapshots were skipped while full ({len(skipped)} events)", bool(skipped)))
+        rec = FaultRecord(i + 1, kind, node, "", time.time(), step_before=step_before)
+        getattr(self, f"_fault_{kind}")(rec)
         return rec
+
+    def _fault_kill(self, rec: FaultRecord) -> None:
+        cl = self.cluster
+        assert cl is not None
+        node = rec.node
+        replace = self.rng.random() < 0.6 or len(self._participants()) <= cl.min_nodes
+        survivors = [n for n in self._participants() if n != node]
+        old = {p for n in survivors for p in cl.nodes[n].workers()}
+        rec.t_start = cl.kill_node(node)
+        if self.cfg.in_process:
+            # the survivors restore in place ~1 s after the kill and commit newer steps
+            # soon after: what they held is read now
+            time.sleep(0.3)
+            committed = self._committed_on(survivors)
+            if replace:
+                self._add_node()
+            self._wait_recovered(rec.t_start, 60)
+        else:
+            if replace:
+                cl.add_node()
+            wait_exited(old, 60)
+            committed = self._committed_on(survivors)
+        rec.detail = f"{'replacement' if replace else 'shrink'}; survivors held {committed[-2:]}"
+        rec.t_end = time.time()
+        self._resolve(rec, expect_restart=True, newest=committed[-1] if committed else None,
+                      survivors=survivors)
+
+    def _fault_double_kill(self, rec: FaultRecord) -> None:
+        cl = self.cluster
+        assert cl is not None
+        node = rec.node
+        other = self.rng.choice([n for n in self._participants() if n != node])
+        survivors = [n for n in self._participants() if n not in (node, other)]
+        old = {p for n in survivors + [other] for p in cl.nodes[n].workers()}
+        rec.t_start = cl.kill_node(node)
+        self._add_node()
+        if self.cfg.in_process:
+            self._wait_recovered(rec.t_start, 60)  # the first recovery has begun
+        else:
+            wait_exited(old, 60)  # the first recovery has begun
+        gap = self.rng.uniform(0.0, 3.0)
+        time.sleep(gap)
+        cl.kill_node(other)
+        self._add_node()
+        rec.detail = f"then {other} {gap:.1f} s into the recovery; replacements join"
+        rec.t_end = time.time()
+        self._resolve(rec, expect_restart=True)
+
+    def _fault_worker_kill(self, rec: FaultRecord) -> None:
+        """One worker process SIGKILLed; its agent, the node's other workers and its store stay.
+        In-process: the others recover in place, the agent starts one new process for that
+        rank, which joins at a snapshot; checked below. Restart mode: torchrun restarts every
+        worker of the job."""
+        cl = self.cluster
+        assert cl is not None
+        node = rec.node
+        pids = cl.nodes[node].worker_pids()
+        local = self.rng.choice(sorted(pids))
+        before = {n: cl.nodes[n].worker_pids() for n in self._participants()}
+        victim = pids[local]
+        others = {p for ps in before.values() for p in ps.values() if p != victim}
+        # nodes that keep a worker (a one-rank node's only worker is the victim)
+        survivors = [n for n, ps in before.items() if set(ps.values()) - {victim}]
+        rec.node = f"{node}/{local}"
+        rec.t_start, _ = cl.kill_worker(node, local)
+        if self.cfg.in_process:
+            time.sleep(0.3)  # as for a node loss: what the stores hold when the survivors restore
+            committed = self._committed_on(list(before))
+            self._wait_recovered(rec.t_start, 60)
+        else:
+            wait_exited(others, 60)
+            committed = self._committed_on(list(before))
+        replacement = None
+        until = time.monotonic() + 60
+        while self.cfg.in_process and time.monotonic() < until and cl.nodes[node].alive:
+            pid = cl.nodes[node].worker_pids().get(local)
+            if pid is not None and pid != victim:
+                replacement = pid
+                break
+            time.sleep(0.05)
+        rec.detail = (f"pid {victim}; survivors held {committed[-2:]}"
+                      + (f"; replaced by pid {replacement}" if replacement else ""))
+        rec.t_end = time.time()
+        self._resolve(rec, expect_restart=True, newest=committed[-1] if committed else None,
+                      survivors=survivors)
+        if not self.cfg.in_process:
+            return
+        events = [e for e in self._events() if rec.t_start <= e["time"] <= rec.t_resolved]
+        started = {e["pid"] for e in events if e["event"] == "start"}
+        strangers = sorted(started - others - {replacement})
+        rec.checks.append((f"the other workers went on in their processes (new processes: {strangers})",
+                           not strangers))
+        joined = [e for e in events if e["event"] == "restore" and e.get("found")
+                  and e.get("_pid") == replacement]
+        rec.checks.append((
+            f"local rank {local} of {node} was replaced by a new process ({replacement}) that joined "
+            f"at a snapshot ({'step ' + str(joined[0]['step']) if joined else 'no restore'})",
+            replacement is not None and bool(joined)))
+
+    def _fault_freeze(self, rec: FaultRecord) -> None:
+        cl = self.cluster
+        assert cl is not None
+        dur = self.rng.uniform(self.cfg.snapshot_timeout + 2, self.cfg.pg_timeout + 8)
+        pids = cl.stop_node(rec.node)
+        time.sleep(dur)
+        cl.cont_node(pids)
+        rec.detail = f"SIGSTOP for {dur:.1f} s (snapshot timeout {self.cfg.snapshot_timeout:.0f} s)"
+        rec.t_end = time.time()
+        self._resolve(rec, expect_restart=None)
+
+    def _fault_partition(self, rec: FaultRecord) -> None:
+        cl = self.cluster
+        assert cl is not None and self.net is not None
+        dur = self.rng.uniform(self.cfg.snapshot_timeout + 2, self.cfg.pg_timeout + 8)
+        self.net.cut(cl.nodes[rec.node].index)
+        time.sleep(dur)
+        if rec.node in self.net_nodes():
+            self.net.heal(cl.nodes[rec.node].index)
+        rec.detail = f"link down for {dur:.1f} s"
+        rec.t_end = time.time()
+        self._resolve(rec, expect_restart=None)
+
+    def _fault_s3_outage(self, rec: FaultRecord) -> None:
+        dur = self.rng.uniform(8.0, 20.0)
+        mode = self.rng.choice(["down", "hang"])
+        rec.node = "s3"
+        self._monitor_paused.set()
+        if mode == "down":
+            self.proxy.down()
+        else:
+            assert self.moto is not None
+            os.kill(self.moto.pid, signal.SIGSTOP)
+        time.sleep(dur)
+        if mode == "down":
+            self.proxy.up()
+        else:
+            assert self.moto is not None
+            os.kill(self.moto.pid, signal.SIGCONT)
+        self._monitor_paused.clear()
+        rec.detail = f"endpoint {'down (refused/reset)' if mode == 'down' else 'hung (SIGSTOP)'} for {dur:.1f} s"
+        rec.t_end = time.time()
+        self._resolve(rec, expect_restart=False)
+        self._check_uploads_caught_up(rec)
+
+    def _fault_store_full(self, rec: FaultRecord) -> None:
+        cl = self.cluster
+        assert cl is not None
+        dur = self.rng.uniform(2.0, 6.0)
+        store = cl.nodes[rec.node].store_dir
+        ballast = fill(store)
+        time.sleep(dur)
+        # held full until a snapshot met it (a slow first step must not pass the window
+        # without one), at most 30 s more
+        until = time.time() + 30
+        while time.time() < until and not any(
+                e["event"] == "snapshot" and e.get("skipped") and e["time"] >= rec.t_start
+                for e in self._events()):
+            time.sleep(0.5)
+        with contextlib.suppress(FileNotFoundError):
+            ballast.unlink()
+        rec.detail = f"tmpfs store full for {time.time() - rec.t_start:.1f} s"
+        rec.t_end = time.time()
+        self._resolve(rec, expect_restart=False)
+        skipped = [e for e in self._events() if e["event"] == "snapshot" and e.get("skipped")
+                   and rec.t_start <= e["time"] <= rec.t_end + 2]
+        rec.checks.append((f"memory snapshots were skipped while full ({len(skipped)} events)", bool(skipped)))
 
     def _committed_on(self, nodes: list[str]) -> list[int]:
         assert self.cluster is not None
@@ -562,7 +662,7 @@ class Campaign:
         uninterrupted reference run's state at that step."""
         digests = read_jsonl(self.digest_log)
         changed = min((x["time"] for x in read_jsonl(self.loss_log) + digests
-                       if x["world"] != self.cfg.nodes), default=float("inf"))
+                       if x["world"] != self.cfg.world), default=float("inf"))
         checked = mismatched = 0
         for d in digests:
             if d["time"] >= changed or d["step"] not in self.reference:
@@ -622,11 +722,12 @@ class Campaign:
             starts = [e["time"] for e in self._events() if e["event"] == "start" and e["time"] > since]
             last_start = max(starts, default=since)
             recent = [x for x in losses if x["time"] > last_start]
-            if len(alive) < self.cfg.nodes and recent and recent[-1]["world"] == len(alive):
+            if (len(alive) < self.cfg.nodes and recent
+                    and recent[-1]["world"] == len(alive) * self.cfg.nproc_per_node):
                 self._add_node()  # the job runs shrunk: a new node joins (the job restarts, or not)
                 time.sleep(1.0)
                 continue
-            full = [x for x in recent if x["world"] == self.cfg.nodes]
+            full = [x for x in recent if x["world"] == self.cfg.world]
             if len(full) >= self.cfg.steady_steps and time.time() - last_start > 2:
                 return True
             time.sleep(0.2)
@@ -663,7 +764,7 @@ class Campaign:
 
     def summary(self, wall_s: float) -> dict[str, Any]:
         rows = []
-        for kind in KINDS:
+        for kind in [k for k in ALL_KINDS if k in KINDS or k in self.requested]:
             rs = [r for r in self.records if r.kind == kind]
             if not rs:
                 rows.append({"kind": kind, "injected": 0,
@@ -693,6 +794,8 @@ class Campaign:
         return {
             "seed": self.cfg.seed,
             "mode": "in-process" if self.cfg.in_process else "restart",
+            "topology": f"{self.cfg.nodes}x{self.cfg.nproc_per_node}",
+            "launcher": "aegis.launch --on-worker-failure=replace" if self.cfg.launcher_policy else "torchrun",
             "redundancy": self.cfg.redundancy,
             "faults_planned": self.cfg.faults,
             "faults_injected": len(self.records),
@@ -789,7 +892,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--faults", type=int, default=50)
-    p.add_argument("--kinds", default=",".join(KINDS))
+    p.add_argument("--kinds", default=",".join(KINDS),
+                   help=f"comma-separated, from {', '.join(ALL_KINDS)} (default: {', '.join(KINDS)})")
     p.add_argument("--workdir", default="/tmp/aegis-chaos")
     p.add_argument("--no-network", action="store_true", help="no network namespaces (no partitions)")
     p.add_argument("--out", default=None, help="write the summary JSON here")
@@ -798,13 +902,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--redundancy", choices=("replica", "xor", "rs"), default="replica",
                    help="memory redundancy: one replica per shard, or XOR / Reed-Solomon (2 parity) "
                         "parity over the nodes")
+    p.add_argument("--topology", default="3x1", metavar="NxR",
+                   help=f"N nodes of R ranks each ({', '.join(TOPOLOGIES)}; default 3x1)")
     a = p.parse_args(argv)
     kinds = tuple(k for k in a.kinds.split(",") if k)
-    bad = set(kinds) - set(KINDS)
+    bad = set(kinds) - set(ALL_KINDS)
     if bad:
-        p.error(f"unknown fault kinds {sorted(bad)}; choose from {', '.join(KINDS)}")
+        p.error(f"unknown fault kinds {sorted(bad)}; choose from {', '.join(ALL_KINDS)}")
+    try:
+        nodes, nproc = (int(x) for x in a.topology.lower().split("x"))
+    except ValueError:
+        p.error(f"--topology {a.topology!r}: give NxR, e.g. 3x2")
+    if nodes < 3 or nproc < 1:
+        p.error(f"--topology {a.topology}: at least 3 nodes (the world shrinks by one) of >= 1 rank")
     cfg = Config(seed=a.seed, faults=a.faults, kinds=kinds, workdir=Path(a.workdir), network=not a.no_network,
-                 in_process=a.in_process, redundancy=a.redundancy)
+                 in_process=a.in_process, redundancy=a.redundancy, nodes=nodes, nproc_per_node=nproc)
     s = Campaign(cfg).run()
     print()
     print(format_table(s))

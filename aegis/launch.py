@@ -1,0 +1,231 @@
+"""``python -m aegis.launch``: torchrun, with a worker's death left to in-process recovery.
+
+Takes torchrun's arguments (same parser, same rendezvous, same ``--max-restarts``) plus one::
+
+    python -m aegis.launch --nnodes=2:3 --nproc-per-node=8 --max-restarts=100 \\
+        --rdzv-backend=c10d --rdzv-endpoint=$STORE:29400 --rdzv-id=$JOB \\
+        --rdzv-conf=is_host=false --on-worker-failure=replace train.py --in-process ...
+
+Why torchrun alone cannot do it. torchelastic's ``LocalElasticAgent`` treats its workers as one
+group: its process context stops every worker of the node as soon as one exits non-zero
+(``SubprocessContext._poll``: "if ANY have failed ... terminate all running procs"), and the
+agent then re-rendezvouses (``SimpleElasticAgent._restart_workers``), which makes every other
+node's agent restart its workers too. Measured here (3 workers, one SIGKILLed, under
+``aegis.run_in_process``): within 2 s all three were new processes. In-process recovery makes
+that unnecessary: the survivors of a lost process re-form their groups through the aegis
+membership store (``AEGIS_MEMBERSHIP``), and a new process joins the running job at their next
+snapshot. What is left for the launcher is to start that new process, and nothing else.
+
+:class:`InProcessAgent` is a ``LocalElasticAgent`` whose ``_monitor_workers`` looks at its
+workers before torchelastic's poll does, and applies ``--on-worker-failure``:
+
+* ``replace``: each worker that exited non-zero is started again, alone, with its own local
+  rank and the environment of the last rendezvous (``RANK`` is stale but unused: in-process
+  membership numbers the ranks), while the other workers keep running; no rendezvous, so no
+  other node notices. Each replacement counts against ``--max-restarts``; once they are spent,
+  torchelastic's own handling applies (the agent stops its workers and fails).
+* ``leave``: the node leaves the job: its other workers are stopped and the agent exits with
+  the failure; the survivors on other nodes recover in place without it (a scheduler may bring
+  a node back later, which joins at a snapshot).
+* ``restart``: torchelastic's behaviour, unchanged (every worker of the job restarted).
+
+``auto`` (the default) is ``replace`` when ``AEGIS_MEMBERSHIP`` is set (in-process recovery is
+configured) and ``restart`` otherwise: a job that uses ``init_process_group`` directly cannot
+take a single new process, and needs torchrun's restart.
+
+Nodes that arrive later (a replacement node) are handled as by torchrun: a node waiting in the
+job's rendezvous makes the running agents restart their workers. Under in-process recovery a
+replacement node is started with a rendezvous of its own (``--nnodes=1`` and its own
+``--rdzv-id``) and joins through the membership store (README, "In-process recovery").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import time
+import uuid
+from typing import Any
+
+from torch.distributed.elastic import events, metrics
+from torch.distributed.elastic.agent.server.api import (
+    RunResult,
+    WorkerGroup,
+    WorkerSpec,
+)
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing.api import SubprocessContext
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+from torch.distributed.elastic.multiprocessing.subprocess_handler import get_subprocess_handler
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+from torch.distributed.launcher.api import LaunchConfig, _get_addr_and_port, _get_entrypoint_name
+
+__all__ = ["InProcessAgent", "POLICIES", "launch", "main"]
+
+POLICIES = ("auto", "replace", "leave", "restart")
+log = logging.getLogger("aegis.launch")
+
+
+def resolve_policy(policy: str) -> str:
+    """``auto`` -> ``replace`` with in-process recovery configured, else ``restart``."""
+    if policy not in POLICIES:
+        raise ValueError(f"--on-worker-failure={policy!r}: choose one of {', '.join(POLICIES)}")
+    if policy == "auto":
+        return "replace" if os.environ.get("AEGIS_MEMBERSHIP") else "restart"
+    return policy
+
+
+def _say(msg: str) -> None:
+    print(f"[aegis.launch] {msg}", file=sys.stderr, flush=True)
+
+
+class InProcessAgent(LocalElasticAgent):
+    """A ``LocalElasticAgent`` that leaves a worker's death to in-process recovery (see the
+    module docstring). Called by torchelastic's run loop (``SimpleElasticAgent._invoke_run``)
+    every ``monitor_interval``; only ``_monitor_workers`` differs."""
+
+    def __init__(self, *args: Any, on_worker_failure: str = "replace", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if on_worker_failure not in ("replace", "leave", "restart"):
+            raise ValueError(f"on_worker_failure={on_worker_failure!r}: replace, leave or restart")
+        self.policy = on_worker_failure
+        self.replaced: list[tuple[int, int, int, int]] = []  # (local rank, old pid, exit code, new pid)
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        pc = self._pcontext
+        if self.policy != "restart" and isinstance(pc, SubprocessContext):
+            failed = {lr: code for lr, h in pc.subprocess_handlers.items()
+                      if lr in pc._running_local_ranks and (code := h.proc.poll()) not in (None, 0)}
+            if failed and self.policy == "leave":
+                # torchelastic's poll (below) stops the other workers and reports the failure;
+                # with no restarts left the agent exits with it: the node leaves the job
+                _say(f"worker(s) {self._describe(failed)} failed: this node leaves the job "
+                     "(--on-worker-failure=leave); its other workers are stopped")
+                self._remaining_restarts = 0
+            elif failed and self._remaining_restarts >= len(failed):
+                for lr, code in sorted(failed.items()):
+                    self._replace(pc, worker_group, lr, code)
+            elif failed:  # restarts spent: torchelastic stops the other workers, the agent fails
+                _say(f"worker(s) {self._describe(failed)} failed and {self._remaining_restarts} "
+                     f"restart(s) are left of {worker_group.spec.max_restarts}: stopping this node")
+                self._remaining_restarts = 0
+        return super()._monitor_workers(worker_group)
+
+    def _describe(self, failed: dict[int, int]) -> str:
+        assert isinstance(self._pcontext, SubprocessContext)
+        return ", ".join(f"local rank {lr} (pid {self._pcontext.subprocess_handlers[lr].proc.pid}, "
+                         f"exit {code})" for lr, code in sorted(failed.items()))
+
+    def _replace(self, pc: SubprocessContext, worker_group: WorkerGroup, lr: int, code: int) -> None:
+        """Start a new process for local rank ``lr`` in the place of the one that exited."""
+        spec = worker_group.spec
+        self._remaining_restarts -= 1
+        old = pc.subprocess_handlers[lr]
+        for fh in (old._stdout, old._stderr):  # the dead worker's redirected output, kept
+            if fh is not None:
+                with contextlib.suppress(OSError):
+                    fh.close()
+        for path in (pc.stdouts[lr], pc.stderrs[lr]):
+            if path and os.path.exists(path):  # SubprocessHandler opens it with "w"
+                with contextlib.suppress(OSError):
+                    os.replace(path, f"{path}.{old.proc.pid}")
+        env = dict(pc.envs[lr])
+        env["TORCHELASTIC_RESTART_COUNT"] = str(spec.max_restarts - self._remaining_restarts)
+        new = get_subprocess_handler(
+            entrypoint=pc.entrypoint,  # type: ignore[arg-type] # a binary: SubprocessContext
+            args=pc.args[lr], env=env, stdout=pc.stdouts[lr], stderr=pc.stderrs[lr],
+            local_rank_id=lr, numa_options=pc._numa_options)
+        pc.subprocess_handlers[lr] = new
+        worker_group.workers[lr].id = new.proc.pid
+        self.replaced.append((lr, old.proc.pid, code, new.proc.pid))
+        _say(f"local rank {lr} (pid {old.proc.pid}) exited with {code}; started pid {new.proc.pid} "
+             f"in its place, the other workers keep running (restart "
+             f"{spec.max_restarts - self._remaining_restarts} of {spec.max_restarts}); it joins the "
+             "running job through the membership store")
+
+
+def launch(config: LaunchConfig, entrypoint: str, args: list[str], *, on_worker_failure: str) -> dict[int, Any]:
+    """torchelastic's ``launch_agent`` with :class:`InProcessAgent` as the agent (the same
+    rendezvous handler, worker spec, metrics, events and failure report; torch's function
+    hard-codes ``LocalElasticAgent``). Returns the workers' return values by global rank;
+    raises ``ChildFailedError`` when the workers failed for good."""
+    if not config.run_id:
+        config.run_id = str(uuid.uuid4().int)
+    params = RendezvousParameters(
+        backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
+        min_nodes=config.min_nodes, max_nodes=config.max_nodes, local_addr=config.local_addr,
+        **config.rdzv_configs)
+    master_addr, master_port = _get_addr_and_port(params)
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
+    spec = WorkerSpec(
+        role=config.role, local_world_size=config.nproc_per_node, entrypoint=entrypoint,
+        args=tuple(args), rdzv_handler=rdzv_registry.get_rendezvous_handler(params),
+        max_restarts=config.max_restarts, monitor_interval=config.monitor_interval,
+        master_addr=master_addr, master_port=master_port, local_addr=config.local_addr,
+        event_log_handler=config.event_log_handler, numa_options=config.numa_options,
+        duplicate_stdout_filters=config.duplicate_stdout_filters,
+        duplicate_stderr_filters=config.duplicate_stderr_filters,
+        virtual_local_rank=config.virtual_local_rank)
+    agent = InProcessAgent(
+        spec=spec, logs_specs=config.logs_specs, start_method=config.start_method,  # type: ignore[arg-type]
+        log_line_prefix_template=config.log_line_prefix_template,
+        shutdown_timeout=config.shutdown_timeout,  # type: ignore[arg-type]
+        on_worker_failure=on_worker_failure)
+    shutdown_rdzv = True
+    try:
+        metrics.initialize_metrics(metrics.MetricsConfig(config.metrics_cfg))
+        result = agent.run()
+        events.record(agent.get_event_succeeded(), config.event_log_handler)
+        if result.is_failed():
+            raise ChildFailedError(name=_get_entrypoint_name(entrypoint, args), failures=result.failures)
+        return result.return_values
+    except ChildFailedError:
+        raise
+    except Exception as e:
+        # a signal to the agent leaves the rendezvous open (torchelastic's rule: closing it
+        # would keep every later node out)
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        shutdown_rdzv = not isinstance(e, SignalException)
+        events.record(agent.get_event_failed(), config.event_log_handler)
+        raise
+    finally:
+        if shutdown_rdzv:
+            spec.rdzv_handler.shutdown()
+
+
+@record
+def main(argv: list[str] | None = None) -> None:
+    """``python -m aegis.launch [torchrun options] [--on-worker-failure P] script [args]``."""
+    from torch.distributed.run import config_from_args, get_args_parser
+
+    parser = get_args_parser()
+    parser.description = "torchrun, with a worker's death left to aegis' in-process recovery"
+    parser.add_argument(
+        "--on-worker-failure", "--on_worker_failure", dest="on_worker_failure", default="auto",
+        choices=POLICIES,
+        help="replace: start a new process for a failed worker and leave the others running (it "
+             "joins at the survivors' next snapshot); leave: the node leaves the job; restart: "
+             "torchrun's behaviour (every worker restarted); auto: replace when AEGIS_MEMBERSHIP "
+             "is set, else restart")
+    args = parser.parse_args(argv)
+    if args.standalone:  # as torchrun does
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500
+    policy = resolve_policy(args.on_worker_failure)
+    config, cmd, cmd_args = config_from_args(args)
+    if not isinstance(cmd, str):
+        raise SystemExit("aegis.launch runs a script or module (not --run-path)")
+    _say(f"on worker failure: {policy} (--on-worker-failure={args.on_worker_failure}), "
+         f"max restarts {config.max_restarts}")
+    t0 = time.monotonic()
+    launch(config, cmd, cmd_args, on_worker_failure=policy)
+    log.info("workers done after %.1f s", time.monotonic() - t0)
+
+
+if __name__ == "__main__":
+    main()
