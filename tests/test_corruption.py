@@ -179,6 +179,31 @@ MANIFEST_EDITS: dict[str, Callable[[str], str]] = {
 }
 
 
+def _digit_of(key: str) -> Callable[[str], str]:
+    """One hex digit of a format-4 step record's digest field changed (it still parses)."""
+    def edit(text: str) -> str:
+        d = json.loads(text)
+        v = d[key]
+        d[key] = v[:-1] + ("0" if v[-1] != "0" else "1")
+        return json.dumps(d, separators=(",", ":"), sort_keys=True)
+    return edit
+
+
+def _bump_digest(d: dict[str, Any]) -> None:
+    d["shards_digest"] = d["shards_digest"][:-1] + ("0" if d["shards_digest"][-1] != "0" else "1")
+
+
+# format 4 (issue 24): a node store keeps a layout per plan and a small step record per step;
+# the items live in each shard's own index (edits there are the shard tests' business)
+NODE_EDITS: dict[str, tuple[str, Callable[[str], str]]] = {
+    "one digit of the shards digest": ("step", _digit_of("shards_digest")),
+    "one digit of the layout digest": ("step", _digit_of("layout")),
+    "entry size edited": ("layout", _edit(_entry_size)),
+    "planner_data paths swapped": ("layout", _edit(_swap_planner_paths)),
+    "not JSON": ("step", lambda text: "{oops" + text[5:]),
+}
+
+
 class Tier:
     """Where the trial's snapshot lives and how its manifest is edited."""
 
@@ -188,9 +213,12 @@ class Tier:
         self.url = None if kind == "node" else (
             f"file://{root}/durable" if kind == "file" else f"s3://{bucket}/pre")
 
-    def edit_manifest(self, step: int, edit: Callable[[str], str]) -> None:
+    def edit_manifest(self, step: int, edit: Callable[[str], str], which: str = "step") -> None:
         if self.kind == "node":
-            path = NodeStore(self.store_dir, JOB).manifest_path(step)
+            ns = NodeStore(self.store_dir, JOB)
+            path = ns.manifest_path(step)
+            if which == "layout":
+                path = ns.layout_path(json.loads(path.read_text())["layout"])
             path.write_text(edit(path.read_text()))
             return
         os.environ.update(self.env)
@@ -243,10 +271,20 @@ def test_manifest_damage_that_still_parses_falls_back_in_every_tier(tier: Tier) 
         store.close()
     # every edit in the node store; in the durable tiers (the same parser, slower restores) one
     # of each kind: a number, a name, not JSON
-    edits = MANIFEST_EDITS if t.kind == "node" else {
-        k: MANIFEST_EDITS[k] for k in ("one digit of an offset", "two same-shape items swapped",
-                                      "not JSON")}
-    for name, edit in edits.items():
+    edits = NODE_EDITS if t.kind == "node" else {
+        k: ("step", MANIFEST_EDITS[k]) for k in ("one digit of an offset",
+                                                 "two same-shape items swapped", "not JSON")}
+    for name, (which, edit) in edits.items():
+        if t.kind == "node" and which == "layout":
+            # the layout serves steps 2 and 3 alike (one plan); each node keeps two copies:
+            # the damaged one is named, the other serves, step 3 is restored
+            t.edit_manifest(3, edit, which)
+            out = run_ranks(2, _restore, str(t.store_dir), t.url, t.env)
+            _check_fallback(t, out, expect_step=3, note="layout copy skipped")
+            assert all("fails its checksum" in " ".join(o["skipped"]) for o in out), out
+            shutil.rmtree(t.store_dir)
+            shutil.copytree(pristine, t.store_dir)
+            continue
         t.edit_manifest(3, edit)
         out = run_ranks(2, _restore, str(t.store_dir), t.url, t.env)
         note = "not valid JSON" if name == "not JSON" else "fails its checksum"
@@ -266,12 +304,16 @@ def test_resealed_manifest_edit_is_caught_by_the_shards_own_index(store_dir: Pat
     t.saved = run_ranks(2, _save, str(t.store_dir), None, {})  # type: ignore[attr-defined]
     pristine = store_dir / "pristine"
     shutil.copytree(t.store_dir, pristine)
-    for edit in (_shift64, _swap_same_shape):
-        t.edit_manifest(3, _resealed(edit))
-        out = run_ranks(2, _restore, str(t.store_dir), None, {})
-        _check_fallback(t, out, expect_step=2, note="does not match the manifest")
-        shutil.rmtree(t.store_dir)
-        shutil.copytree(pristine, t.store_dir)
+    # format 4: a step record whose digest was edited and resealed does not match the shards'
+    # own indexes; a layout edited and resealed no longer hashes to its name
+    t.edit_manifest(3, _resealed(_bump_digest))
+    out = run_ranks(2, _restore, str(t.store_dir), None, {})
+    _check_fallback(t, out, expect_step=2, note="do not match step 3's manifest")
+    shutil.rmtree(t.store_dir)
+    shutil.copytree(pristine, t.store_dir)
+    t.edit_manifest(3, _resealed(_entry_size), "layout")
+    out = run_ranks(2, _restore, str(t.store_dir), None, {})
+    _check_fallback(t, out, expect_step=3, note="does not hash to its name")
 
 
 def test_damaged_older_manifest_does_not_block_the_newest(store_dir: Path) -> None:

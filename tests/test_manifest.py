@@ -126,3 +126,56 @@ def test_hostile_manifests_are_rejected(mutate, message) -> None:  # type: ignor
 def test_not_json() -> None:
     with pytest.raises(ManifestError, match="not valid JSON"):
         Manifest.from_json(b"{oops", where="x/manifest.json")
+
+
+# -- format 4: the node store's layout + step record (issue 24) ---------------------------------
+
+
+def test_format4_split_and_assemble_round_trip() -> None:
+    from aegis.snapshot.manifest import Layout, StepManifest, assemble, load_node_manifest, split
+
+    m = sample()
+    layout, step = split(m)
+    assert Layout.from_json(layout.to_json()) == layout
+    back = load_node_manifest(step.to_json(), where="step")
+    assert isinstance(back, StepManifest) and back == step
+    whole = assemble(layout, step, {s.rank: s for s in m.shards})
+    assert whole == m  # every field but the (unrecorded) replicas, and here there were none
+    # a whole manifest reads as before
+    assert load_node_manifest(m.to_json(), where="whole") == m
+    # constant size: the step record does not grow with the ranks
+    assert len(step.to_json()) < 500
+
+
+def test_format4_rejects_a_shard_record_that_is_not_the_committed_one() -> None:
+    import dataclasses
+
+    from aegis.snapshot.manifest import assemble, assemble_any, split
+
+    m = sample()
+    layout, step = split(m)
+    stale = dataclasses.replace(m.shards[1], index_crc32c=8)  # another step's index, say
+    with pytest.raises(ManifestError, match="do not match step 5's manifest"):
+        assemble(layout, step, {0: m.shards[0], 1: stale})
+    with pytest.raises(ManifestError, match="no shard index for rank"):
+        assemble(layout, step, {0: m.shards[0]})
+    # two copies of rank 1 disagree: the digest picks the committed one
+    got = assemble_any(layout, step, {0: [m.shards[0]], 1: [stale, stale, m.shards[1]]})
+    assert got.shard(1).index_crc32c == 7
+    other = dataclasses.replace(layout, world_size=3, nodes=("a", "b", "c"))
+    with pytest.raises(ManifestError, match="not this step's"):
+        assemble(other, step, {s.rank: s for s in m.shards})
+
+
+def test_format4_damage_and_version_rules() -> None:
+    from aegis.snapshot.manifest import Layout, load_node_manifest, split
+
+    layout, step = split(sample())
+    text = step.to_json().replace('"total_bytes":', '"total_bytes":1')
+    with pytest.raises(ManifestError, match="fails its checksum"):
+        load_node_manifest(text, where="step")
+    with pytest.raises(ManifestError, match="fails its checksum"):
+        Layout.from_json(layout.to_json().replace('"world_size":2', '"world_size":3'))
+    # a whole-manifest reader given a format-4 document says what it is
+    with pytest.raises(ManifestError, match="format-4 step document"):
+        Manifest.from_json(step.to_json())

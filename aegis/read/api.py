@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import dataclasses
 import os
 import re
 import tempfile
@@ -64,9 +65,11 @@ from aegis.read.locations import (
     Copy,
     DcpCopy,
     DurableCopy,
+    DurableLocation,
     Failure,
     Location,
     NodeStoreCopy,
+    NodeStoreLocation,
     StepRow,
     needed_chunks,
     pick,
@@ -290,6 +293,7 @@ class Source:
         copies: list[Copy] = []
         notes: list[str] = []
         errors: list[ManifestError] = []
+        _pool_records(self.locations, step)
         for loc in holders:
             try:
                 copy = loc.open(step)
@@ -329,6 +333,29 @@ class Source:
     def __repr__(self) -> str:
         tiers = ", ".join(f"{t}: {len(s)} steps" for t, s in self.steps_by_tier.items())
         return f"<aegis.Source job={self.job!r} {self.uri} ({tiers})>"
+
+
+def _pool_records(locations: Sequence[Any], step: int) -> None:
+    """A format-4 step in node stores is put together from its shards' own indexes, which a
+    multi-node job spreads over its nodes: every opened node store gets the records the others
+    (and the durable tier's whole manifest, whose records carry the same sizes and index
+    crc32c) hold, so that each can put the step together whole."""
+    stores = [loc for loc in locations if isinstance(loc, NodeStoreLocation)]
+    if not stores:
+        return
+    pool: dict[int, Any] = {}
+    for loc in stores:
+        for r, rec in loc.records(step).items():
+            pool.setdefault(r, rec)
+    for loc in locations:
+        if isinstance(loc, DurableLocation) and step in loc.committed():
+            with contextlib.suppress(Exception):
+                for rec in loc.manifest(step).shards:
+                    pool.setdefault(rec.rank, dataclasses.replace(rec, chunks=tuple(
+                        dataclasses.replace(c, codec="raw", stored_length=None, stored_crc32c=None)
+                        for c in rec.chunks)))
+    for loc in stores:
+        loc.pool[step] = pool
 
 
 class Snapshot:
@@ -579,6 +606,13 @@ class Snapshot:
                 return dcp_load(sd, reader, step=self.step, unpickle=unpickle, weights_only=weights_only,
                                 on_tensor=on_tensor)
         assert self.manifest is not None
+        unknown = [s.rank for s in self.manifest.shards if not s.chunks and not s.items]
+        if unknown:  # a format-4 step missing the indexes (so the items) of these ranks' shards
+            raise SourceError(
+                f"the shard(s) of rank(s) {', '.join(map(str, unknown))} at step {self.step} are in "
+                f"none of the opened copies ({', '.join(c.uri for c in self.copies)}; node "
+                f"{self.manifest.nodes().get(unknown[0], '?')} holds rank {unknown[0]}): open that "
+                "node's store or the durable tier too, aegis.open(uri, other_uri)")
         chunks = self._fetch(needed_chunks(self.manifest, group), progress, threads, cache=cache)
         try:
             return dcp_load(sd, ChunkReader(self.manifest, chunks), step=self.step, unpickle=unpickle,

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import dataclasses
 import json
 import mmap
 import os
@@ -57,8 +58,8 @@ from aegis.snapshot.durable import (
     retention_victims,
 )
 from aegis.snapshot.durable import prune as durable_prune
-from aegis.snapshot.manifest import BytesEntry, Manifest, TensorEntry
-from aegis.snapshot.node_store import NodeStore
+from aegis.snapshot.manifest import BytesEntry, Manifest, ShardRecord, TensorEntry
+from aegis.snapshot.node_store import NodeStore, PartialManifestError
 from aegis.snapshot.objstore import ObjectNotFound, ObjectStore, open_store
 from aegis.snapshot.retry import RetryPolicy
 from aegis.snapshot.shard import (
@@ -351,6 +352,18 @@ class NodeStoreLocation(Location):
         self.store = NodeStore(root, job)
         self.job = job
         self.uri = str(self.store.dir)
+        # step -> rank -> records read from the other opened copies (format-4 steps are put
+        # together from their shards' indexes, which a multi-node job spreads over its nodes)
+        self.pool: dict[int, dict[int, ShardRecord]] = {}
+
+    def records(self, step: int) -> dict[int, ShardRecord]:
+        """Records of the shards of ``step`` this store holds intact (from their own indexes)."""
+        out: dict[int, ShardRecord] = {}
+        info = next((i for i in self.store.steps() if i.step == step), None)
+        for r in info.shard_ranks if info is not None else ():
+            with contextlib.suppress(OSError, AegisError):
+                out[r] = self.store.shard_record(step, r)
+        return out
 
     def rows(self) -> list[StepRow]:
         out = []
@@ -359,8 +372,8 @@ class NodeStoreLocation(Location):
                           shards=len(info.shard_ranks))
             if info.committed:
                 try:
-                    m = self.store.read_manifest(info.step)
-                except ManifestError as e:
+                    m = self.store.read_manifest(info.step, allow_missing=True)
+                except (ManifestError, CorruptShardError) as e:
                     row.error = str(e)
                 else:
                     present = set(info.shard_ranks)
@@ -375,13 +388,14 @@ class NodeStoreLocation(Location):
         return sorted(i.step for i in self.store.steps() if i.committed)
 
     def _open(self, step: int) -> Copy:
-        return NodeStoreCopy(self, self.store.read_manifest(step))
+        return NodeStoreCopy(self, self.store.read_manifest(step, extra=self.pool.get(step),
+                                                            allow_missing=True))
 
     def verify_bytes(self, step: int | None) -> int:
         assert step is not None
         try:
-            m = self.store.read_manifest(step)
-        except ManifestError:
+            m = self.store.read_manifest(step, allow_missing=True)
+        except (ManifestError, CorruptShardError):
             return 0
         return sum(s.data_bytes for s in m.shards)
 
@@ -389,7 +403,13 @@ class NodeStoreLocation(Location):
         assert step is not None
         res = VerifyResult()
         try:
-            m = self.store.read_manifest(step)
+            m = self.store.read_manifest(step, extra=self.pool.get(step))
+        except PartialManifestError:  # a multi-node job: check the shards held here
+            m = self.store.read_manifest(step, allow_missing=True)
+            m = dataclasses.replace(m, shards=tuple(s for s in m.shards if s.chunks or s.size))
+        except CorruptShardError as e:
+            res.failures.append(self._failure(step, e.rank, None, str(e)))
+            return res
         except ManifestError as e:
             res.failures.append(self._failure(step, None, None, f"manifest unreadable: {e}"))
             return res

@@ -39,7 +39,7 @@ from aegis import _fault
 from aegis._dist import Group
 from aegis.errors import AegisError, CorruptShardError, ManifestError
 from aegis.snapshot.codec import Codec, decode
-from aegis.snapshot.manifest import ChunkRecord, Manifest
+from aegis.snapshot.manifest import ChunkRecord, Commit, Manifest, assemble
 from aegis.snapshot.node_store import NodeStore
 from aegis.snapshot.objstore import ObjectNotFound, ObjectStore, PreconditionFailed
 from aegis.snapshot.retry import RetryPolicy
@@ -324,7 +324,7 @@ class Uploader:
         self.on_result = on_result
         self.max_inflight = max_inflight
         self.job = node_store.job
-        self._queue: queue.Queue[Manifest | None] = queue.Queue()
+        self._queue: queue.Queue[Commit | None] = queue.Queue()
         self._pending = 0
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
@@ -352,13 +352,13 @@ class Uploader:
         with self._lock:
             return self._pending
 
-    def submit(self, manifest: Manifest) -> None:
+    def submit(self, commit: Commit) -> None:
         """Queue the upload of a committed step (every rank, same order). The step stays pinned
         in the node store until its upload is done."""
-        self.pin(manifest.step)
+        self.pin(commit.step)
         with self._lock:
             self._pending += 1
-        self._queue.put(manifest)
+        self._queue.put(commit)
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every queued upload is finished, then (within what is left of ``timeout``)
@@ -436,13 +436,15 @@ class Uploader:
                     self._pending -= 1
                     self._idle.notify_all()
 
-    def _upload(self, manifest: Manifest) -> UploadResult:
+    def _upload(self, commit: Commit) -> UploadResult:
         t0 = time.perf_counter()
         rank = self.group.rank
-        step = manifest.step
+        step = commit.step
         result = UploadResult(step, rank)
         before = dataclasses.replace(self.store.stats, retry_reasons=dict(self.store.stats.retry_reasons))
-        record = manifest.shard(rank)
+        record = commit.whole.shard(rank) if commit.whole is not None else commit.record
+        if record is None:
+            raise AegisError(f"step {step}: this rank has no shard record to upload")
         # A step already committed on the durable tier is never overwritten (its chunks would
         # no longer match its manifest): rank 0 looks, everyone hears.
         exists: bool | None = None
@@ -463,20 +465,31 @@ class Uploader:
             chunks = self._upload_shard(step, rank, record.chunks, result)
         except Exception as e:  # noqa: BLE001 - reported to rank 0, then raised
             err = f"{type(e).__name__}: {e}"
-        reports = self.group.gather((step, chunks, err), "durable gather")
+        # a format-4 step: rank 0 puts the durable tier's whole manifest together from every
+        # rank's own record (O(world) per upload, as the durable manifest itself)
+        own = record if commit.whole is None else None
+        reports = self.group.gather((step, chunks, err, own), "durable gather")
         outcome: tuple[bool, str] | None = None
         if rank == 0:
             assert reports is not None
-            failures = {r: e for r, (_, _, e) in enumerate(reports) if e is not None}
-            failures.update({r: f"uploaded step {s}, not {step}" for r, (s, _, _) in enumerate(reports)
+            failures = {r: e for r, (_, _, e, _) in enumerate(reports) if e is not None}
+            failures.update({r: f"uploaded step {s}, not {step}" for r, (s, _, _, _) in enumerate(reports)
                              if s != step})
             if failures:
                 outcome = (False, "; ".join(f"rank {r}: {e}" for r, e in sorted(failures.items())))
             else:
                 try:
-                    durable = dataclasses.replace(manifest, shards=tuple(
+                    if commit.whole is not None:
+                        base = commit.whole
+                    else:
+                        assert commit.layout is not None and commit.step_manifest is not None
+                        base = assemble(commit.layout, commit.step_manifest,
+                                        {r: rep[3] for r, rep in enumerate(reports)
+                                         if rep[3] is not None},
+                                        where=f"step {step} for the durable tier")
+                    durable = dataclasses.replace(base, shards=tuple(
                         dataclasses.replace(s, chunks=tuple(reports[s.rank][1] or ()), replicas=())
-                        for s in manifest.shards
+                        for s in base.shards
                     ))
                     _fault.hit("upload", step, rank)
                     self._commit(durable)

@@ -64,11 +64,15 @@ from aegis.snapshot.erasure import (
 )
 from aegis.snapshot.manifest import (
     BytesEntry,
+    Commit,
+    Layout,
     Manifest,
     ParityGroup,
     Redundancy,
     ShardRecord,
+    StepManifest,
     TensorEntry,
+    shards_digest,
 )
 from aegis.snapshot.node_store import NodeStore, Slot
 from aegis.snapshot.placement import Placement, parity_groups
@@ -316,7 +320,7 @@ class SnapshotEngine:
         on_result: Callable[[SnapshotResult], None] | None = None,
         mesh: dict[str, Any] | None = None,
         upload_filter: Callable[[int], bool] | None = None,
-        on_commit: Callable[[Manifest], None] | None = None,
+        on_commit: Callable[[Commit], None] | None = None,
         extra_snapshots: int = 0,
         state_kinds: Mapping[str, str] | None = None,
         redundancy: str = "replica",
@@ -391,6 +395,12 @@ class SnapshotEngine:
                     if int(f.name.split("-", 1)[1].split(".", 1)[0]) not in local:
                         f.unlink()
         self._planner = DefaultSavePlanner()
+        # rank 0: the format-4 layout of the current plan, and the digest last sent to leaders
+        self._layout: Layout | None = None
+        self._layout_sent: str | None = None
+        # write whole manifests (format 2) every step as before format 4: bench/scale.py's
+        # comparison arm, nothing else
+        self.whole_manifests = False
         self._flat = _Flattener()  # the Manager marks its stable entries in _flat.stable
         self._plan: _Plan | None = None
         keep_maps = self.stager.pins
@@ -472,6 +482,7 @@ class SnapshotEngine:
             tp = time.perf_counter()
             planner.set_up_planner(state_dict, storage_meta=None, is_coordinator=self.rank == 0)
             self._plan = self._make_plan(planner, fingerprint)
+            self._layout = None  # a new plan, a new layout (built at its first commit)
             self._plan.fast = _fast_resolvable(flat, self._plan.layout)
             plan_s = time.perf_counter() - tp
         assert self._plan is not None
@@ -751,8 +762,14 @@ class SnapshotEngine:
         if self.poisoned is not None and (why := self.poisoned()) is not None:
             err, full = err or f"round abandoned: {why}", False
         tc = time.perf_counter()
+        # Whole records travel only with parity groups (their manifest is written whole, the
+        # rebuild of a lost shard needs its record); otherwise (size, index crc32c): O(1) per
+        # rank, the format-4 step manifest needs nothing more (each shard's index holds the rest).
+        sent: Any = record
+        if record is not None and not self.groups and not self.whole_manifests:
+            sent = (record.size, record.index_crc32c)
         reports = self.group.gather(
-            (record, err, received, result.blocking_s, result.copy_s, full, parity), "commit gather"
+            (sent, err, received, result.blocking_s, result.copy_s, full, parity), "commit gather"
         )
         decision: tuple[str, Any] | None = None
         if self.rank == 0:
@@ -763,12 +780,14 @@ class SnapshotEngine:
                 decision = ("abort", ({0: f"commit decision: {type(e).__name__}: {e}"}, False))
         kind, payload = self.group.broadcast(decision, "commit broadcast")
         if kind == "commit":
-            manifest, upload = payload
+            manifest, upload, layout = payload
             write_err: tuple[str, bool] | None = None
             if self.is_leader:
                 try:
                     _fault.hit("commit", result.step, self.rank)
-                    self.store.write_manifest(manifest)
+                    self.store.write_manifest(manifest, layout)  # a new plan's layout first
+                    if layout is not None:
+                        self.store.prune_layouts()
                 except Exception as e:  # noqa: BLE001 - e.g. a full tmpfs
                     write_err = (f"writing the manifest on node {self.node!r}: {type(e).__name__}: {e}",
                                  is_store_full(e))
@@ -802,7 +821,10 @@ class SnapshotEngine:
             self._committed.append((result.step, slot, replica_slots))
         if upload and self.on_commit is not None:
             try:
-                self.on_commit(manifest)
+                self.on_commit(Commit(
+                    step=result.step, record=record, whole=manifest if isinstance(manifest, Manifest) else None,
+                    step_manifest=manifest if isinstance(manifest, StepManifest) else None,
+                    layout=self._layout if self.rank == 0 else None))
             except Exception as e:  # noqa: BLE001 - reported as an event, not raised on one rank
                 result.error = f"queueing the durable upload failed: {type(e).__name__}: {e}"
         with self._lock:
@@ -1073,6 +1095,9 @@ class SnapshotEngine:
         owner's index crc32c."""
         failures: dict[int, str] = {}
         records = {r: rep[0] for r, rep in enumerate(reports)}
+        # (size, index crc32c) of each rank's shard, from a whole record or a summary
+        summary = {r: ((rec.size, rec.index_crc32c) if isinstance(rec, ShardRecord) else rec)
+                   for r, rec in records.items()}
         full = {r: rep[5] for r, rep in enumerate(reports)}
         for r, rep in enumerate(reports):
             if rep[1] is not None:
@@ -1085,7 +1110,7 @@ class SnapshotEngine:
                     if reports[src][1] is not None:
                         continue  # the owner failed (counted above); the holder got nothing
                     failures.setdefault(holder, f"replica of rank {src}: {rerr}")
-                elif rec is not None and icrc != rec.index_crc32c:
+                elif rec is not None and icrc != summary[src][1]:
                     failures.setdefault(holder, f"replica of rank {src} does not match its owner's crc32c")
                     full[holder] = False
                 else:
@@ -1111,6 +1136,28 @@ class SnapshotEngine:
             # Skipped (not an error) only when every failing rank ran out of node-store room.
             return ("abort", (failures, all(full[r] for r in failures)))
         upload = bool(self.upload_filter and self.upload_filter(step))
+        timings = {
+            "blocking_s_max": max(rep[3] for rep in reports),
+            "copy_s_max": max(rep[4] for rep in reports),
+            "complete_replicate_s_rank0": complete_s,
+        }
+        if redundancy is None and not self.whole_manifests:
+            # format 4: the layout once per plan (sent with the first commit that needs it), a
+            # step record of constant size per step
+            if self._layout is None:
+                self._layout = Layout(job=self.store.job, world_size=self.world,
+                                      nodes=tuple(self.nodes),
+                                      entries=self._plan.entries if self._plan else {},
+                                      planner_data=self._plan.planner_data if self._plan else {},
+                                      state_kinds=dict(self.state_kinds), mesh=self.mesh)
+            new = self._layout.digest != self._layout_sent
+            self._layout_sent = self._layout.digest
+            pairs = [summary[r] for r in range(self.world)]
+            step_manifest = StepManifest(
+                job=self.store.job, step=step, world_size=self.world, layout=self._layout.digest,
+                shards_digest=shards_digest(pairs), total_bytes=sum(sz for sz, _ in pairs),
+                created=time.time(), timings=timings)
+            return ("commit", (step_manifest, upload, self._layout if new else None))
         return ("commit", (Manifest(
             job=self.store.job,
             step=step,
@@ -1122,13 +1169,9 @@ class SnapshotEngine:
             state_kinds=dict(self.state_kinds),
             redundancy=redundancy,
             mesh=self.mesh,
-            timings={
-                "blocking_s_max": max(rep[3] for rep in reports),
-                "copy_s_max": max(rep[4] for rep in reports),
-                "complete_replicate_s_rank0": complete_s,
-            },
+            timings=timings,
             created=time.time(),
-        ), upload))
+        ), upload, None))
 
     def pin(self, step: int) -> None:
         """Keep ``step`` in the node store (beyond ``keep``) until :meth:`unpin` (an upload)."""

@@ -16,13 +16,14 @@ a save copies into memory that already exists. Only this module touches paths.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import mmap
 import os
 import re
 import shutil
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,14 @@ from aegis.errors import (
     StoreFullError,
 )
 from aegis.snapshot import hostmem
-from aegis.snapshot.manifest import Manifest, ShardRecord
+from aegis.snapshot.manifest import (
+    Layout,
+    Manifest,
+    ShardRecord,
+    StepManifest,
+    assemble,
+    load_node_manifest,
+)
 from aegis.snapshot.shard import (
     FOOTER_SIZE,
     ShardIndex,
@@ -48,7 +56,7 @@ from aegis.snapshot.shard import (
     verify_chunks,
 )
 
-__all__ = ["NodeStore", "Slot", "StepInfo", "default_store_root"]
+__all__ = ["NodeStore", "Slot", "StepInfo", "PartialManifestError", "default_store_root"]
 
 # Names this module wrote itself and nothing else: ASCII digits only (``\d`` would take any
 # Unicode digit, "step-٠٠٠٠٠٠٠٧" too), matched in full (``$`` would allow a trailing newline).
@@ -131,6 +139,13 @@ class NodeStore:
     def manifest_path(self, step: int) -> Path:
         return self.step_dir(step) / MANIFEST
 
+    @property
+    def layouts_dir(self) -> Path:
+        return self.dir / "layouts"
+
+    def layout_path(self, digest: str) -> Path:
+        return self.layouts_dir / f"layout-{digest}.json"
+
     # -- inventory -----------------------------------------------------------------------------
 
     def steps(self) -> list[StepInfo]:
@@ -160,13 +175,15 @@ class NodeStore:
         out.sort(key=lambda s: s.step, reverse=True)
         return out
 
-    def read_manifest(self, step: int) -> Manifest:
+    def read_node_manifest(self, step: int) -> Manifest | StepManifest:
+        """This node's ``manifest.json`` of ``step`` as written: a whole manifest (formats 2 and
+        3) or a format-4 step record (see :func:`aegis.snapshot.manifest.assemble`)."""
         path = self.manifest_path(step)
         try:
             text = path.read_bytes()
         except OSError as e:
             raise ManifestError(f"cannot read {path}: {e}") from e
-        manifest = Manifest.from_json(text, where=str(path))
+        manifest = load_node_manifest(text, where=str(path))
         if manifest.job != self.job:
             raise IncompatibleSnapshotError(
                 f"{path} belongs to job {manifest.job!r}, not {self.job!r}: a store directory "
@@ -176,21 +193,124 @@ class NodeStore:
             raise ManifestError(f"{path} says step {manifest.step} but lives in step {step}'s directory")
         return manifest
 
-    def write_manifest(self, manifest: Manifest) -> None:
-        """Commit ``manifest.step`` on this node: an atomic rename, after the shards exist."""
-        path = self.manifest_path(manifest.step)
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        tmp = path.with_name(f".{MANIFEST}.tmp{os.getpid()}")
-        try:
-            with open(tmp, "wb", opener=_private) as f:
-                f.write(manifest.to_json().encode())
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):  # e.g. ENOSPC: leave no half-written file behind
-                os.unlink(tmp)
-            raise
+    def read_layout(self, digest: str, notes: list[str] | None = None) -> Layout:
+        """The layout named ``digest``: its first intact copy (every node keeps two, since every
+        step of a plan needs it); a damaged copy passed over is named in ``notes``."""
+        first: ManifestError | None = None
+        for path in (self.layout_path(digest), _second(self.layout_path(digest))):
+            try:
+                try:
+                    text = path.read_bytes()
+                except OSError as e:
+                    raise ManifestError(f"cannot read the layout {path}: {e}") from e
+                layout = Layout.from_json(text, where=str(path))
+                if layout.job != self.job:
+                    raise IncompatibleSnapshotError(
+                        f"{path} belongs to job {layout.job!r}, not {self.job!r}")
+                if layout.digest != digest:
+                    raise ManifestError(f"{path} does not hash to its name ({layout.digest}): damaged")
+            except IncompatibleSnapshotError:
+                raise
+            except ManifestError as e:
+                first = first or e
+                continue
+            if first is not None and notes is not None:
+                notes.append(f"layout copy skipped: {first}")
+            return layout
+        assert first is not None
+        raise first
+
+    def shard_record(self, step: int, rank: int) -> ShardRecord:
+        """The record of this node's shard file of ``rank`` at ``step``, from the shard's own
+        index (crc-checked) and footer; its node and replicas are not known here."""
+        index, size, icrc = self.read_shard_index(step, rank)
+        return ShardRecord(rank, "", size, icrc, index.chunks, index.items)
+
+    def read_manifest(self, step: int, *, extra: Mapping[int, ShardRecord] | None = None,
+                      allow_missing: bool = False) -> Manifest:
+        """The whole manifest of a step committed on this node. A format-4 step is put together
+        from its layout and the records of its shards: from the indexes of the shards this node
+        holds, else from ``extra`` (records read elsewhere: another node's store, the durable
+        tier), all checked against the step's digest. A shard here whose index is damaged is a
+        :class:`CorruptShardError` naming it; ranks with no record are a
+        :class:`PartialManifestError` (a multi-node job: the other ranks' shards are on other
+        nodes), or with ``allow_missing`` placeholder records (size 0, no chunks or items:
+        nothing of them can be read, and nothing is checked against the digest)."""
+        m = self.read_node_manifest(step)
+        if isinstance(m, Manifest):
+            return m
+        layout = self.read_layout(m.layout)
+        records: dict[int, ShardRecord] = {}
+        for r in range(m.world_size):
+            if self.shard_path(step, r).exists():
+                try:
+                    records[r] = self.shard_record(step, r)
+                except (OSError, ManifestError) as e:
+                    if extra is not None and r in extra:
+                        continue
+                    if allow_missing:
+                        continue
+                    raise CorruptShardError(
+                        f"the index of rank {r}'s shard at step {step} in node store {self.dir} is "
+                        f"damaged ({e}); a format-4 manifest takes each rank's records from its "
+                        "shard's index", step=step, rank=r, where=f"node store {self.dir}") from e
+        for r, rec in (extra or {}).items():
+            records.setdefault(r, rec)
+        missing = [r for r in range(m.world_size) if r not in records]
+        if missing and allow_missing:
+            stub = {r: ShardRecord(r, layout.nodes[r], 0, 0, (), ()) for r in missing}
+            return Manifest(job=m.job, step=m.step, world_size=m.world_size,
+                            shards=tuple(dataclasses.replace(records.get(r) or stub[r],
+                                                             node=layout.nodes[r])
+                                         for r in range(m.world_size)),
+                            entries=layout.entries, planner_data=layout.planner_data,
+                            mesh=layout.mesh, timings=m.timings, created=m.created,
+                            state_kinds=layout.state_kinds, format_version=4)
+        if missing:
+            raise PartialManifestError(
+                f"{self.manifest_path(step)}: this node store holds intact shards of "
+                f"{m.world_size - len(missing)} of {m.world_size} rank(s) of step {step} (not "
+                f"{missing[:8]}{' ...' if len(missing) > 8 else ''}); a format-4 manifest is put "
+                "together from the shards' own indexes: open the other nodes' stores too, or the "
+                "durable tier", missing=missing)
+        return assemble(layout, m, records, where=str(self.manifest_path(step)))
+
+    def write_layout(self, layout: Layout) -> None:
+        """Write ``layout`` once (a file named by its digest; present already: nothing to do)."""
+        path = self.layout_path(layout.digest)
+        if path.exists() and _second(path).exists():
+            return
+        self.layouts_dir.mkdir(mode=0o700, exist_ok=True)
+        data = layout.to_json().encode()
+        _atomic_write(path, data)
+        _atomic_write(_second(path), data)  # every step of the plan needs it: two copies
+
+    def prune_layouts(self) -> int:
+        """Remove layouts no step directory's manifest names (run by the node leader when a new
+        plan's layout is written): O(steps held)."""
+        if not self.layouts_dir.is_dir():
+            return 0
+        used: set[str] = set()
+        for info in self.steps():
+            with contextlib.suppress(Exception):
+                m = self.read_node_manifest(info.step)
+                if isinstance(m, StepManifest):
+                    used.add(m.layout)
+        n = 0
+        for f in self.layouts_dir.iterdir():
+            name = f.name.removesuffix(".2")
+            if name.startswith("layout-") and name.endswith(".json") and name[7:-5] not in used:
+                with contextlib.suppress(OSError):
+                    f.unlink()
+                    n += 1
+        return n
+
+    def write_manifest(self, manifest: Manifest | StepManifest, layout: Layout | None = None) -> None:
+        """Commit ``manifest.step`` on this node: an atomic rename, after the shards exist (and
+        after its layout, written first when given)."""
+        if layout is not None:
+            self.write_layout(layout)
+        _atomic_write(self.manifest_path(manifest.step), manifest.to_json().encode())
 
     def uncommit(self, step: int) -> None:
         """Remove a step's manifest first, so a crash mid-eviction never leaves it committed."""
@@ -311,6 +431,34 @@ class NodeStore:
             for f in sorted(os.listdir(self.slots_dir)):
                 if f.startswith(prefix):
                     yield self.slots_dir / f
+
+
+def _second(path: Path) -> Path:
+    return path.with_name(path.name + ".2")
+
+
+class PartialManifestError(ManifestError):
+    """A format-4 step whose shards are not all in this node store (see ``read_manifest``)."""
+
+    def __init__(self, message: str, *, missing: list[int]) -> None:
+        super().__init__(message)
+        self.missing = missing
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    """temp file, fsync, rename: the file is there whole or not at all."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb", opener=_private) as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):  # e.g. ENOSPC: leave no half-written file behind
+            os.unlink(tmp)
+        raise
 
 
 def _private(path: str, flags: int) -> int:

@@ -42,7 +42,7 @@ from aegis.goodput import AutoInterval, daly_interval
 from aegis.snapshot.codec import Codec
 from aegis.snapshot.durable import Uploader, UploadResult, clean_uncommitted, list_steps
 from aegis.snapshot.engine import SnapshotEngine, SnapshotHandle, SnapshotResult, format_bytes
-from aegis.snapshot.manifest import Manifest, TensorEntry, dtype_from_name
+from aegis.snapshot.manifest import Commit, Manifest, TensorEntry, dtype_from_name
 from aegis.snapshot.node_store import NodeStore
 from aegis.snapshot.objstore import open_store
 from aegis.snapshot.staging import Deferral
@@ -719,9 +719,9 @@ class Manager:
         self._durable_mark = step
         return True
 
-    def _submit_upload(self, manifest: Manifest) -> None:
+    def _submit_upload(self, commit: Commit) -> None:
         if self.uploader is not None:
-            self.uploader.submit(manifest)
+            self.uploader.submit(commit)
 
     def wait_durable(self, timeout: float | None = None) -> None:
         """Block until every queued durable upload is done; raise the last upload error."""

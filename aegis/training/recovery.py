@@ -43,7 +43,15 @@ from aegis.errors import (
 from aegis.snapshot.dcp_io import SafeLoadPlanner, ShardReader
 from aegis.snapshot.durable import fetch_chunks, list_steps, read_manifest
 from aegis.snapshot.erasure import StripeLayout, rs_piece_size, rs_stripe_decode, xor_into
-from aegis.snapshot.manifest import ChunkRecord, Manifest, Redundancy
+from aegis.snapshot.manifest import (
+    ChunkRecord,
+    Layout,
+    Manifest,
+    Redundancy,
+    ShardRecord,
+    StepManifest,
+    assemble_any,
+)
 from aegis.snapshot.node_store import NodeStore, Slot
 from aegis.snapshot.objstore import ObjectStore
 from aegis.snapshot.shard import (
@@ -107,6 +115,7 @@ class _StepInv:
     shards: tuple[int, ...]
     parity: tuple[int, ...] = ()  # ranks whose XOR parity stripe this node holds
     redundancy: Redundancy | None = None  # from this node's manifest, when committed
+    split: bool = False  # committed here as a format-4 step record + layout (assembled at restore)
 
 
 def _rebuild_blocker(red: Redundancy | None, shard: int, held: set[int], parity_held: set[int]
@@ -132,21 +141,28 @@ def _inventory(store: NodeStore) -> tuple[dict[int, _StepInv], list[str]]:
     not committed on this node, its shards still usable against another node's manifest).
     A manifest of another job or format is no damage: it raises."""
     out = {}
-    notes = []
+    notes: list[str] = []
     for info in store.steps():
         world = None
         red = None
         committed = info.committed
+        split = False
         if committed:
             try:
-                m = store.read_manifest(info.step)
-                world, red = m.world_size, m.redundancy
+                m = store.read_node_manifest(info.step)
+                if isinstance(m, StepManifest):
+                    lnotes: list[str] = []
+                    store.read_layout(m.layout, lnotes)  # an intact copy, or not committed here
+                    notes.extend(f"step {info.step}: {n}" for n in lnotes)
+                    world, split = m.world_size, True
+                else:
+                    world, red = m.world_size, m.redundancy
             except IncompatibleSnapshotError:
                 raise
             except ManifestError as e:
                 committed = False
                 notes.append(f"step {info.step}: manifest on node store {store.dir} skipped: {e}")
-        out[info.step] = _StepInv(committed, world, info.shard_ranks, info.parity_ranks, red)
+        out[info.step] = _StepInv(committed, world, info.shard_ranks, info.parity_ranks, red, split)
     return out, notes
 
 
@@ -183,6 +199,49 @@ def _choose(invs: dict[str, dict[int, _StepInv]], bad: set[int], durable_steps: 
                 continue
         return step, notes
     return None, notes
+
+
+def _assemble_step(store: NodeStore, group: Group, step: int, is_leader: bool, src: int
+                   ) -> tuple[tuple[Manifest, tuple[Layout, StepManifest]] | None, list[str]]:
+    """The whole manifest of a format-4 step, put together on every rank: the first node that
+    committed it sends its layout and step record, every node leader sends the records (from the
+    shards' own crc-checked indexes) of the shards of that step it holds; one all-gather
+    (O(world) records in all: what the whole manifest held, moved once per restore instead of
+    written at every step). A rank whose copies disagree is settled by the step's digest.
+    Returns (manifest, (layout, step record)) or None, and notes on the copies passed over."""
+    parts: tuple[Layout, StepManifest] | None = None
+    records: dict[int, ShardRecord] = {}
+    notes: list[str] = []
+    if is_leader:
+        info = next((i for i in store.steps() if i.step == step), None)
+        for r in info.shard_ranks if info is not None else ():
+            try:
+                records[r] = store.shard_record(step, r)
+            except (OSError, ManifestError) as e:  # this copy's index is damaged: others may do
+                notes.append(f"step {step}: index of rank {r}'s shard on node store {store.dir} "
+                             f"skipped: {e}")
+    if group.rank == src:
+        try:
+            m = store.read_node_manifest(step)
+            assert isinstance(m, StepManifest)
+            parts = (store.read_layout(m.layout), m)
+        except (ManifestError, AssertionError) as e:
+            notes.append(f"step {step}: manifest on node store {store.dir} unreadable: {e}")
+    gathered = group.all_gather((parts, records, notes), "restore records")
+    found = next((p for p, _, _ in gathered if p is not None), None)
+    why = [n for _, _, ns in gathered for n in ns]
+    if found is None:
+        return None, why or [f"step {step}: no readable format-4 manifest"]
+    candidates: dict[int, list[ShardRecord]] = {}
+    for _, recs, _ in gathered:
+        for r, rec in recs.items():
+            candidates.setdefault(r, []).append(rec)
+    layout, stepm = found
+    try:
+        manifest = assemble_any(layout, stepm, candidates, where=f"step {step}")
+    except ManifestError as e:
+        return None, [*why, f"step {step}: {e}"]
+    return (manifest, found), why
 
 
 # -- the restore ---------------------------------------------------------------------------------
@@ -246,7 +305,9 @@ def restore_newest(
     bad: set[int] = set()
     ranks_of = {n: [r for r, x in enumerate(nodes) if x == n] for n in dict.fromkeys(nodes)}
     want = step
+    split_parts: tuple[Layout, StepManifest] | None = None
     while True:
+        split_parts = None
         step, notes = _choose(invs, bad, durable_steps, want)
         skipped.extend(x for x in notes if x not in skipped)
         if step is None:
@@ -290,10 +351,20 @@ def restore_newest(
                 continue
             durable_manifest = manifest = payload
         else:
-            src = min(ranks_of[n][0] for n, inv in invs.items() if step in inv and inv[step].committed)
-            manifest = group.broadcast(
-                store.read_manifest(step) if group.rank == src else None, "restore manifest", src=src
-            )
+            src_node = min((n for n, inv in invs.items() if step in inv and inv[step].committed),
+                           key=lambda n: ranks_of[n][0])
+            src = ranks_of[src_node][0]
+            if not invs[src_node][step].split:
+                manifest = group.broadcast(
+                    store.read_manifest(step) if group.rank == src else None, "restore manifest", src=src
+                )
+            else:
+                got, why = _assemble_step(store, group, step, is_leader, src)
+                skipped.extend(x for x in why if x not in skipped)
+                if got is None:
+                    bad.add(step)
+                    continue
+                manifest, split_parts = got
         _fault.hit("restore", step, group.rank)
         t = lap("decide_s", t)
         # 3. what every node needs, from each rank's local DCP load plan
@@ -351,7 +422,10 @@ def restore_newest(
         with contextlib.suppress(FileNotFoundError):
             # a replacement node now holds the step too; a damaged copy here is replaced
             if mine is None or not mine.committed:
-                store.write_manifest(manifest)
+                if split_parts is not None:  # format 4: its layout, then its step record
+                    store.write_manifest(split_parts[1], split_parts[0])
+                else:
+                    store.write_manifest(manifest)
     _cleanup(store, is_leader, keep_step=step, bad=bad)
     group.barrier("restore done")  # after every leader's cleanup: ranks then list a settled store
     timings["total_s"] = time.perf_counter() - t0
