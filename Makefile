@@ -12,7 +12,7 @@ export OMP_NUM_THREADS ?= 1
 TITAN_TEST_DEPS := torchdata==0.11.0 tyro==1.0.17 spmd_types==0.2.3 einops==0.8.2
 TITAN_TEST_NODEPS := torchtitan==0.3.0 triton==3.9.0
 
-.PHONY: venv demo test chaos chaos-inprocess chaos-xor lint bench goodput gpu-wheels clean
+.PHONY: venv demo test chaos chaos-inprocess chaos-xor chaos-3x2 chaos-rs6 worker-trade lint bench goodput gpu-wheels clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -44,6 +44,22 @@ chaos-inprocess: venv
 # The XOR arm (issue 16): memory redundancy by XOR parity over the 3 nodes instead of replicas.
 chaos-xor: venv
 	$(BIN)/python -m tests.chaos.campaign --seed 1 --faults 24 --in-process --redundancy xor --out bench/results/chaos_xor.json
+
+# Multi-rank nodes and worker kills (issue 25): 3 nodes x 2 ranks (a node's ranks share its store;
+# one worker SIGKILLed, its agent, python -m aegis.launch, starts it again alone), and 6 nodes x 1
+# rank with Reed-Solomon 4+2 parity (k = 2). The default mix plus worker_kill; in-process.
+# CHAOS_FAULTS=200 for the long campaigns.
+CHAOS_FAULTS ?= 50
+CHAOS_MIX := kill,freeze,partition,s3_outage,store_full,double_kill,worker_kill
+chaos-3x2: venv
+	$(BIN)/python -m tests.chaos.campaign --seed 1 --faults $(CHAOS_FAULTS) --in-process --topology 3x2 --kinds $(CHAOS_MIX) --out bench/results/chaos_3x2.json
+
+chaos-rs6: venv
+	$(BIN)/python -m tests.chaos.campaign --seed 1 --faults $(CHAOS_FAULTS) --in-process --topology 6x1 --redundancy rs --kinds $(CHAOS_MIX) --out bench/results/chaos_rs6.json
+
+# One worker killed on a 2-rank node: replace it (aegis.launch) or let its node leave the job (~5 min).
+worker-trade: venv
+	$(BIN)/python -m tests.chaos.worker_trade --repeats 3 --out bench/results/worker_trade.json
 
 # The benchmark suite (< 10 min on this 2-core machine): every case side by side with DCP on the
 # same state, JSON + PNG in bench/results/, bench/results/summary.md and the README's summary
