@@ -30,7 +30,6 @@ from aegis.training.inprocess.membership import (
     Excluded,
     Heartbeat,
     Membership,
-    join_running,
     store_from_env,
 )
 from aegis.training.inprocess.round import (
@@ -237,7 +236,9 @@ def run_in_process(
     later rounds have the survivors (at least ``min_world``). A peer counts as dead once its
     heartbeat has not moved for ``dead_after_s``; then this process fences it off (gloo: its
     connections shut down; NCCL: the communicators aborted), so a collective waiting on it ends
-    then, not at ``collective_timeout``. ``backend``: ``"gloo"`` (CPU, or CUDA tensors over
+    then, not at ``collective_timeout``. Each process watches two members (its successors on a
+    ring interleaved by node) and reads one death log: its store load does not grow with the
+    world (:mod:`.membership`). ``backend``: ``"gloo"`` (CPU, or CUDA tensors over
     gloo), ``"nccl"`` or ``"cpu:gloo,cuda:nccl"`` (see :func:`check_nccl_env` for the NCCL
     environment it checks).
     """
@@ -255,13 +256,14 @@ def run_in_process(
     local = os.environ.get("LOCAL_RANK", "0")
     uid = f"{node}/{local}/{os.getpid()}"
     store = store_from_env(form_timeout)
-    hb = Heartbeat(uid, heartbeat_s, form_timeout, fence_after_s=dead_after_s, fence=ab.fence,
+    hb = Heartbeat(uid, heartbeat_s, form_timeout, dead_after_s=dead_after_s, fence=ab.fence,
                    fenceable=lambda u: in_round() and u in Round.members)
     membership = Membership(store, uid, hb, dead_after_s=dead_after_s,
                             form_timeout_s=form_timeout.total_seconds(), min_world=min_world)
     first = int(os.environ.get("WORLD_SIZE", "1"))
     r = 0
     previous: list[str] | None = None
+    join_slot = 0  # this process's registration, while it joins the running job
     restarts = 0
     misses = 0  # rounds formed without this process in a row (see membership.backoff_s)
     timings: dict[str, float] = {}
@@ -274,22 +276,25 @@ def run_in_process(
         while True:
             t0 = time.perf_counter()
             if join:
-                r, previous = join_running(store, uid, hb, dead_after_s=dead_after_s,
-                                           timeout_s=form_timeout.total_seconds(), misses=misses)
+                r, previous, join_slot = membership.join(timeout_s=form_timeout.total_seconds(),
+                                                         misses=misses)
                 join = False
                 if r < 0:
                     return None
+                if previous is not None:  # know the dead of the round it joins from
+                    hb.follow(previous, r - 1)
             try:
-                members, admitted = membership.form(r, previous, first)
+                members, admitted = membership.form(r, previous, first, join_slot=join_slot)
             except Excluded as e:
                 join = True  # left out while silent: register and come back at a snapshot
                 misses += 1
                 cause = str(e)
                 continue
             misses = 0
+            join_slot = 0
             t1 = time.perf_counter()
             rank = members.index(uid)
-            hb.watch([u for u in members if u != uid])
+            hb.follow(members, r)
             Round.store, Round.r, Round.uid, Round.members = store, r, uid, members
             Round.admitted = admitted
             Round.failed = None
@@ -340,15 +345,8 @@ def run_in_process(
             restarts += 1
             r += 1
             if registered > admitted:  # grow: admit the processes that registered
-                joiners = [store.get(f"aegis/join/slot/{i}").decode()
-                           for i in range(admitted + 1, registered + 1)]
-                joiners = [u for k, u in enumerate(joiners) if u not in previous and u not in joiners[:k]]
-                for i in range(admitted + 1, registered + 1):
-                    store.set(f"aegis/join/round/{i}", json.dumps(
-                        {"round": r, "previous": previous + joiners}))
-                store.set("aegis/admitted", str(registered))
-                previous = previous + joiners
-                hb.watch([u for u in previous if u != uid])
+                previous = membership.admit(r, members, admitted, registered)
+                hb.follow(previous, r - 1)  # the joiners are watched (as just seen) too
     finally:
         hb.stop()
         if dist.is_initialized():

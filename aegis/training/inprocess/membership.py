@@ -2,25 +2,39 @@
 store, ``AEGIS_MEMBERSHIP=host:port``), apart from any training.
 
 * Every process beats a heartbeat counter (``aegis/hb/<uid>``) from a thread with its own store
-  client, and watches the counters of the members it cares about (:class:`Heartbeat`); one
-  whose counter has not moved for ``dead_after_s`` is dead. The same thread hands a silent
-  member of a running round to a fence callback (the round's ``Abandon``).
-* A *round* is one membership (:class:`Membership.form`): each live process takes a slot, and
-  the first proposal written with ``compare_set`` is the round's member list, which every
-  process adopts; the store is the single point of agreement. A proposal waits for every member
-  of the previous round whose heartbeat still moves.
+  client (:class:`Heartbeat`). It watches only ``watchers`` (2) members of its round: its
+  successors on a ring of the round's members interleaved by node (so that a lost node's
+  processes are watched from other nodes). One whose counter has not moved for ``dead_after_s``
+  is *declared* dead: its uid is appended to the round's death log (``aegis/round/<r>/dead``).
+  Every process reads that one log in the same ``multi_get`` as its neighbours' counters, and
+  fences every member of its running round that the log names (the round's ``Abandon``).
+* A *round* is one membership (:meth:`Membership.form`): each process appends itself to the
+  round's join log and counts itself in; the first process to ``compare_set`` the round's
+  proposer key proposes, once every member of the previous round has joined or is dead (declared
+  in the log, or silent for ``dead_after_s`` as the proposer watches it); the others wait on the
+  round's ``members`` key (a server-side wait, no polling) and take over only if the proposer's
+  own counter stops. The record is the change from the previous round (removed, added), so a
+  round after a failure costs each process O(changes) bytes, not O(world).
 * A process that starts while the job runs, or that a round was formed without, registers and
-  waits to be admitted at the survivors' next snapshot (:func:`join_running`).
+  waits to be admitted at the survivors' next snapshot (:meth:`Membership.join`).
 
-Store keys (all under ``aegis/``): ``hb/<uid>``; ``round/<r>/count``, ``round/<r>/slot/<i>``,
-``round/<r>/members`` (``{"members", "admitted"}``), ``round/<r>/done``, ``round/<r>/ports/<uid>``
-(gloo fencing); ``join/count``, ``join/slot/<i>``, ``join/slot_of/<uid>``, ``join/round/<i>``,
-``admitted``.
+Store load, against the world size W (docs/architecture.md 13.1; ``bench/scale.py`` measures
+it): per process per heartbeat interval 2 requests (its counter; one ``multi_get``), O(1) bytes
+but for the death log; per round formed O(1) requests per process (O(W) bytes for the proposer,
+and for everyone in a first round, which needs the whole list); O(W) requests in all.
+
+Store keys (all under ``aegis/``): ``hb/<uid>``; ``round/<r>/joined`` (one JSON line per joining
+process), ``round/<r>/count``, ``round/<r>/proposer``, ``round/<r>/members`` (the record:
+``{"members"}`` or ``{"base", "removed", "added", "size"}``, with ``"admitted"`` and ``"by"``),
+``round/<r>/list/<uid>`` (the proposer's whole list), ``round/<r>/dead`` (death log),
+``round/<r>/done``, ``round/<r>/ports/<uid>`` (gloo fencing); ``join/count``, ``join/slot/<i>``,
+``join/slot_of/<uid>``, ``join/round/<i>`` (``{"round", "base", "joiners"}``), ``admitted``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import threading
@@ -35,7 +49,7 @@ from aegis.errors import ConfigError
 from aegis.training.inprocess.round import RecoveryGaveUp
 
 __all__ = ["ENV_STORE", "store_from_env", "Heartbeat", "Membership", "Excluded", "latest_round",
-           "join_running", "backoff_s", "backoff"]
+           "backoff_s", "backoff", "ring", "successors", "CountingStore", "REQUESTS"]
 
 ENV_STORE = "AEGIS_MEMBERSHIP"
 
@@ -52,156 +66,594 @@ def store_from_env(timeout: timedelta) -> dist.TCPStore:
     return dist.TCPStore(host, int(port), is_master=False, timeout=timeout, wait_for_workers=False)
 
 
+def _hb(uid: str) -> str:
+    return f"aegis/hb/{uid}"
+
+
+def _rk(r: int, name: str) -> str:
+    return f"aegis/round/{r}/{name}"
+
+
+def _node(uid: str) -> str:
+    """``"<node>/<local rank>/<pid>"`` -> ``"<node>"`` (a uid of another shape is its own node)."""
+    parts = uid.rsplit("/", 2)
+    return parts[0] if len(parts) == 3 else uid
+
+
+def ring(members: list[str]) -> list[str]:
+    """The round's members on a ring interleaved by node: the first process of every node, then
+    the second of every node, ... Neighbours on it are on different nodes whenever the round
+    spans more than one, so the processes of a lost node are watched from other nodes (with
+    processes of a node next to each other, a lost node would take the watchers of most of its
+    processes with it)."""
+    return list(_ring(tuple(members))[0])
+
+
+@functools.lru_cache(maxsize=4)
+def _ring(members: tuple[str, ...]) -> tuple[tuple[str, ...], dict[str, int]]:
+    """:func:`ring` and each member's position on it; O(world), once per round and process (a
+    benchmark running many members in one process computes it once for all of them)."""
+    by_node: dict[str, list[str]] = {}
+    for u in members:
+        by_node.setdefault(_node(u), []).append(u)
+    groups = list(by_node.values())
+    depth = max((len(g) for g in groups), default=0)
+    order = tuple(g[i] for i in range(depth) for g in groups if i < len(g))
+    return order, {u: i for i, u in enumerate(order)}
+
+
+def successors(members: list[str], uid: str, k: int) -> list[str]:
+    """The ``k`` members after ``uid`` on :func:`ring` (``uid`` inserted if it is not a member):
+    whom ``uid`` watches. Each member is watched by its ``k`` predecessors."""
+    order, pos = _ring(tuple(members))
+    if uid not in pos:
+        order, pos = _ring((*members, uid))
+    i = pos[uid]
+    n = len(order)
+    return [order[(i + j) % n] for j in range(1, min(k, n - 1) + 1)]
+
+
+REQUESTS = frozenset({"add", "get", "set", "check", "compare_set", "multi_get", "multi_set",
+                      "append", "wait", "delete_key", "num_keys", "queue_push", "queue_pop",
+                      "queue_len", "list_keys"})
+
+
+class CountingStore:
+    """A store client that counts the requests sent through it, by method (the scale benchmark
+    and the tests measure store load with it); every call is passed on unchanged."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.counts: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def requests(self) -> int:
+        with self._lock:
+            return sum(self.counts.values())
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.store, name)
+        if name not in REQUESTS:
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with self._lock:
+                self.counts[name] = self.counts.get(name, 0) + 1
+            return attr(*args, **kwargs)
+
+        setattr(self, name, call)  # found directly from now on
+        return call
+
+
 class Heartbeat:
     """A counter in the store, bumped every ``interval_s`` from a thread with its own client;
-    the same thread watches the counters of the current round's members, so that when a round
-    fails, how long each peer has been silent is already known (a peer that stopped with the
-    failure is declared dead ``dead_after_s`` after it stopped, not after the failure was seen).
-    Every process reads every member's counter: O(world) reads per process per interval, fine
-    for the simulated cluster; at scale, per-node heartbeats are the next step."""
+    the same thread watches a few members and reads the followed round's death log.
+
+    Who calls what: the round loop calls :meth:`follow` with each round it enters (the ring and
+    the log of that round; during the next formation it keeps following the round that ended,
+    whose log names the dead); :meth:`Membership.form` and :meth:`Membership.join` call
+    :meth:`watch` for members they must judge themselves (a proposer: the previous round's
+    members that have not joined; a joiner: a sample of the running round). Each beat (``tick``)
+    is 2 requests whatever the world size: ``add`` on its own counter, then one ``multi_get`` of
+    the watched counters and the death log.
+
+    A watched member whose counter has not moved for ``dead_after_s`` (as this thread saw it)
+    and that is one of its ring successors is declared dead in the log; every process that reads
+    a member of its running round (``fenceable``) in the log hands it to ``fence`` (the round's
+    ``Abandon``), so the detector's finding reaches every process that holds connections to
+    the dead member within one more interval: detection within ``dead_after_s`` + 3 intervals of
+    the last beat. Nothing is declared or fenced in a beat whose store requests failed: a
+    process that cannot reach the store (it is the one cut off) fences nobody."""
 
     def __init__(self, uid: str, interval_s: float, timeout: timedelta, *,
-                 fence_after_s: float | None = None,
+                 dead_after_s: float | None = None,
                  fence: Callable[[str], int] | None = None,
-                 fenceable: Callable[[str], bool] | None = None) -> None:
-        self.key = f"aegis/hb/{uid}"
+                 fenceable: Callable[[str], bool] | None = None,
+                 watchers: int = 2, store: Any = None, start: bool = True) -> None:
+        self.uid = uid
+        self.key = _hb(uid)
         self.interval_s = interval_s
-        self.fence_after_s = fence_after_s
-        self._fence = fence  # cuts this process off a silent member (the round's Abandon)
+        self.dead_after_s = dead_after_s
+        self.watchers = watchers
+        self._fence = fence  # cuts this process off a dead member (the round's Abandon)
         self._fenceable = fenceable  # is the member part of a running round?
-        self._store = store_from_env(timeout)
+        self._store: Any = store if store is not None else store_from_env(timeout)
+        # the counter exists before any process can be told to watch it (a multi_get of an
+        # absent key would wait for the client's timeout)
+        self._store.add(self.key, 1)
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._watch: list[str] = []
+        self._epoch = 0  # bumped by follow/watch: a beat's readings of an older set are dropped
+        self._ring: list[str] = []  # successors on the followed round's ring: declared here
+        self._extra: list[str] = []  # watched for this process's own decisions (watch())
+        self._targets: list[str] = []  # ring + extra, once each
+        self._keys: list[str] = []  # their counters' keys
+        self._log: str | None = None  # the followed round's death log
+        self._present: set[str] = set()  # keys known to exist (keys are never deleted)
         self._seen: dict[str, tuple[int, float]] = {}  # uid -> (counter, when it last moved)
+        self._declared: dict[str, float] = {}  # the log's uids, in order -> when read here
         self._fenced: set[str] = set()
-        self.fences: list[tuple[str, float, int]] = []  # (uid, silent s, connections shut)
-        self._thread = threading.Thread(target=self._run, name="aegis-heartbeat", daemon=True)
-        self._thread.start()
+        self.fences: list[tuple[str, float, int]] = []  # (uid, silent s here, connections shut)
+        self.declarations: list[tuple[str, float, float]] = []  # (uid, silent s, time.time())
+        self.ticks = 0
+        self.failed_ticks = 0
+        self._thread: threading.Thread | None = None
+        if start:
+            self._thread = threading.Thread(target=self._run, name="aegis-heartbeat", daemon=True)
+            self._thread.start()
+
+    # -- what to watch ------------------------------------------------------------------------
+
+    def _rewatch(self, ring_: list[str], extra: list[str]) -> None:
+        """Caller holds the lock. A member not watched before counts as just seen: until this
+        thread reads its counter, the last reading (if any) is from before it was left out (a
+        frozen process that came back would look silent for as long as it was away, and a
+        round would form without it; seen in CI under load). It is dead only once its counter
+        has not moved for ``dead_after_s`` from now. Members no longer watched are forgotten."""
+        now = time.monotonic()
+        before = set(self._ring) | set(self._extra)
+        after = set(ring_) | set(extra)
+        for u in after - before:
+            self._seen[u] = (-1, now)  # no counter reads -1: the first read moves it
+        for u in before - after:
+            self._seen.pop(u, None)
+        self._ring, self._extra = ring_, extra
+        self._targets = list(dict.fromkeys(ring_ + extra))
+        self._keys = [_hb(u) for u in self._targets]
+        self._epoch += 1
+
+    def follow(self, members: list[str], r: int | None) -> None:
+        """This process is in round ``r`` of ``members`` (or forms the next round from it):
+        watch its ring successors there and read round ``r``'s death log. ``r=None``: neither
+        (a process waiting to join). Starting on another log forgets what was fenced."""
+        ring_ = successors(members, self.uid, self.watchers) if members and r is not None else []
+        with self._lock:
+            self._rewatch(ring_, [])
+            log = None if r is None else _rk(r, "dead")
+            if log != self._log:
+                self._log = log
+                self._declared = {}
+                self._fenced = set()
 
     def watch(self, uids: list[str]) -> None:
-        """Watch ``uids`` from now on. One not watched before counts as just seen: until this
-        thread reads its counter, the last reading (if any) is from before it was left out
-        (a frozen process that came back would look silent for as long as it was away, and a
-        round would form without it; seen in CI under load). It is dead only once its counter
-        has not moved for ``dead_after_s`` from now."""
-        now = time.monotonic()
+        """Also watch ``uids`` from now on (instead of the ones given before), for this
+        process's own judgement (:meth:`silent_for`); they are never declared from here."""
         with self._lock:
-            for u in uids:
-                if u not in self._watch:
-                    self._seen[u] = (-1, now)  # no counter reads -1: the first read moves it
-            self._watch = list(uids)
-            self._fenced.clear()
+            self._rewatch(self._ring, [u for u in dict.fromkeys(uids) if u != self.uid])
+
+    def watched(self) -> list[str]:
+        with self._lock:
+            return list(dict.fromkeys(self._ring + self._extra))
 
     def silent_for(self, uid: str) -> float:
-        """Seconds since ``uid``'s counter last moved (as seen here); 0 if never watched."""
+        """Seconds since ``uid``'s counter last moved (as seen here); 0 if not watched."""
         with self._lock:
             seen = self._seen.get(uid)
         return 0.0 if seen is None else time.monotonic() - seen[1]
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            with contextlib.suppress(Exception):  # a store hiccup is seen by the peers, not here
-                self._store.add(self.key, 1)
-                with self._lock:
-                    watch = list(self._watch)
-                for uid in watch:
-                    count = self._store.add(f"aegis/hb/{uid}", 0)
-                    now = time.monotonic()
-                    with self._lock:
-                        last = self._seen.get(uid)
-                        if last is None or last[0] != count:
-                            self._seen[uid] = (count, now)
-                if self.fence_after_s is not None:
-                    self._fence_silent(watch)
-            self._stop.wait(self.interval_s)
+    def declared(self, store: Any = None) -> set[str]:
+        """Members the followed round's death log names (read at the last beat, or declared
+        here); with ``store``, read the log now through that client (1 request: the proposer
+        of a round, so that it does not wait for its next beat)."""
+        with self._lock:
+            log = self._log
+            out = set(self._declared)
+        if store is not None and log is not None and log in self._present:
+            with contextlib.suppress(Exception):
+                out.update(u for u in store.get(log).decode().splitlines() if u)
+        return out
 
-    def _fence_silent(self, watch: list[str]) -> None:
-        """A member of the running round whose heartbeat stopped (frozen, cut off, or its
-        machine gone without closing its sockets) is fenced off through the ``fence`` callback
-        (the round's :class:`~.abandon.Abandon`: gloo shuts its connections with it down, NCCL
-        aborts the communicators), so that a collective waiting on it fails now instead of at
-        the group's timeout. The member is left out of the next round; if it comes back, it
-        registers and rejoins at a snapshot."""
-        assert self.fence_after_s is not None
-        for uid in watch:
-            if uid in self._fenced or self._fenceable is None or not self._fenceable(uid):
+    # -- one beat -----------------------------------------------------------------------------
+
+    def tick(self) -> bool:
+        """One beat (the thread calls it every ``interval_s``; a benchmark may drive many
+        heartbeats from one thread). Returns False if the store could not be reached."""
+        with self._lock:  # the lists are replaced, never changed in place
+            epoch, ring_, log, targets, keys = (self._epoch, self._ring, self._log, self._targets,
+                                                self._keys)
+        try:
+            self._store.add(self.key, 1)
+            if log is not None and log not in self._present:
+                self._store.append(log, b"")  # creates the log, adds nothing (once per round)
+                self._present.add(log)
+            new = [k for k in keys if k not in self._present]
+            if new:  # once per newly watched member; a member that never beat has no counter
+                if self._store.check(new):
+                    self._present.update(new)
+                else:
+                    self._present.update(k for k in new if self._store.check([k]))
+            if all(k in self._present for k in keys):
+                read, rkeys = targets, keys
+            else:  # a member that never beat: not read (silent since it was watched)
+                read = [u for u, k in zip(targets, keys, strict=True) if k in self._present]
+                rkeys = [_hb(u) for u in read]
+            values = self._store.multi_get(rkeys + [log] if log else rkeys) \
+                if rkeys or log else []
+        except Exception:  # noqa: BLE001 - a store hiccup is seen by the peers, not here
+            self.failed_ticks += 1
+            return False
+        now = time.monotonic()
+        with self._lock:
+            if epoch != self._epoch:
+                return True  # follow/watch changed meanwhile: these readings are of the old set
+            for u, v in zip(read, values, strict=False):
+                count = int(v)
+                last = self._seen.get(u)
+                if last is None or last[0] != count:
+                    self._seen[u] = (count, now)
+            if log is not None:
+                for line in values[-1].decode().splitlines():
+                    if line and line not in self._declared:
+                        self._declared[line] = now
+            dead_after = self.dead_after_s
+            silent = [] if dead_after is None or log is None else [
+                (u, now - self._seen[u][1]) for u in ring_
+                if u not in self._declared and u in self._seen and now - self._seen[u][1] >= dead_after]
+        for u, s in silent:
+            assert log is not None
+            try:
+                self._store.append(log, f"{u}\n")
+            except Exception:  # noqa: BLE001 - not declared: the next beat tries again
+                self.failed_ticks += 1
+                return False
+            with self._lock:
+                if self._log == log:
+                    self._declared.setdefault(u, now)
+            self.declarations.append((u, s, time.time()))
+        self._fence_declared(log)
+        self.ticks += 1
+        return True
+
+    def _fence_declared(self, log: str | None) -> None:
+        """A member of the running round declared dead (frozen, cut off, or its machine gone
+        without closing its sockets) is fenced off through the ``fence`` callback (the round's
+        :class:`~.abandon.Abandon`: gloo shuts its connections with it down, NCCL aborts the
+        communicators), so that a collective waiting on it fails now instead of at the group's
+        timeout. The member is left out of the next round; if it comes back, it registers and
+        rejoins at a snapshot."""
+        if self._fence is None or self._fenceable is None or log is None:
+            return
+        with self._lock:
+            if self._log != log:
+                return
+            todo = [u for u in self._declared if u not in self._fenced and u != self.uid]
+        for uid in todo:
+            if not self._fenceable(uid):
                 continue
-            silent = self.silent_for(uid)
-            if silent < self.fence_after_s:
-                continue
-            self._fenced.add(uid)
-            n = self._fence(uid) if self._fence is not None else 0
-            self.fences.append((uid, silent, n))
+            with self._lock:
+                if self._log != log or uid in self._fenced:
+                    continue
+                self._fenced.add(uid)
+            n = self._fence(uid)
+            self.fences.append((uid, self.silent_for(uid), n))
+
+    def _run(self) -> None:
+        due = time.monotonic()
+        while not self._stop.is_set():
+            self.tick()
+            due += self.interval_s
+            now = time.monotonic()
+            if due < now - self.interval_s:  # starved: no burst of beats to catch up
+                due = now
+            self._stop.wait(max(0.0, due - now))
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
+        if self._thread is not None:
+            self._thread.join(timeout=5)
 
 
 class Membership:
     """Rounds of membership agreed through one TCPStore (see the module docstring)."""
 
-    def __init__(self, store: dist.TCPStore, uid: str, hb: Heartbeat, *, dead_after_s: float,
-                 form_timeout_s: float, min_world: int) -> None:
+    def __init__(self, store: Any, uid: str, hb: Heartbeat, *, dead_after_s: float,
+                 form_timeout_s: float, min_world: int, poll_s: float = 0.01) -> None:
         self.store = store
         self.uid = uid
         self.hb = hb
         self.dead_after_s = dead_after_s
         self.form_timeout_s = form_timeout_s
         self.min_world = min_world
+        self.poll_s = poll_s
+        self._lists: dict[int, list[str]] = {}  # member lists of the rounds known here
+        self.proposed: list[int] = []  # rounds this process proposed (tests, bench)
 
-    def _alive(self, uid: str) -> bool:
-        return self.hb.silent_for(uid) < self.dead_after_s
+    # -- forming a round ----------------------------------------------------------------------
 
-    def _joined(self, r: int) -> list[str]:
-        n = self.store.add(f"aegis/round/{r}/count", 0)
-        return [self.store.get(f"aegis/round/{r}/slot/{i}").decode() for i in range(1, n + 1)]
-
-    def form(self, r: int, previous: list[str] | None, expected_first: int) -> tuple[list[str], int]:
+    def form(self, r: int, previous: list[str] | None, expected_first: int, *,
+             join_slot: int = 0) -> tuple[list[str], int]:
         """Join round ``r``; return its members in rank order and the number of join slots
-        admitted so far (every caller gets the same)."""
-        i = self.store.add(f"aegis/round/{r}/count", 1)
-        self.store.set(f"aegis/round/{r}/slot/{i}", self.uid)
-        key = f"aegis/round/{r}/members"
+        admitted so far (every caller gets the same). Every process that takes part calls it:
+        the survivors of round ``r - 1`` with ``previous`` its members (plus, after a regroup,
+        the joiners admitted), a first round or a job restarted as a whole with ``None``, a
+        joiner with what :meth:`join` returned (``join_slot``: its registration)."""
         deadline = time.monotonic() + self.form_timeout_s
+        # a proposer must have followed the previous round (its ring knows the dead); a joiner
+        # joins and waits
+        eligible = previous is None or self.uid in previous
+        self.store.append(_rk(r, "joined"), json.dumps({"u": self.uid, "j": join_slot}) + "\n")
+        proposer = self.store.compare_set(_rk(r, "proposer"), "", self.uid).decode() \
+            if eligible else ""
+        self.store.add(_rk(r, "count"), 1)  # counted after its line: count n -> n lines logged
+        if proposer == self.uid:
+            self._propose(r, previous, expected_first, deadline)
+        else:
+            self._await(r, previous, expected_first, deadline, proposer, eligible)
+        members, admitted = self._read(r)
+        if self.uid not in members:
+            raise Excluded(f"round {r} was formed without this process ({self.uid})")
+        self._keep(r, members)
+        return members, admitted
+
+    def _alive(self, uid: str, declared: set[str]) -> bool:
+        return uid not in declared and self.hb.silent_for(uid) < self.dead_after_s
+
+    def _joined(self, r: int) -> dict[str, int]:
+        """The processes that joined round ``r`` (in order) -> their join slot."""
+        out: dict[str, int] = {}
+        for line in self.store.get(_rk(r, "joined")).decode().splitlines():
+            if line:
+                e = json.loads(line)
+                out.setdefault(str(e["u"]), int(e["j"]))
+        return out
+
+    def _propose(self, r: int, previous: list[str] | None, expected_first: int,
+                 deadline: float) -> None:
+        """The proposer: poll the round's count and the death log of the previous round (2
+        requests per poll), read the join log when the count changed (at most once an interval
+        until enough processes joined), watch the previous members that have not joined, and
+        write the proposal once every one of them has joined or is dead (first round:
+        ``expected_first`` processes)."""
+        key = _rk(r, "members")
+        needed = max(expected_first, self.min_world)
+        last_n, last_read = -1, float("-inf")
+        joined: dict[str, int] = {}
+        missing: list[str] = list(previous or [])
+        started = time.monotonic()
+        watching = False
         while True:
             if self.store.check([key]):
-                break
-            joined = self._joined(r)
-            if previous is None:  # the first round, or a job restarted as a whole
-                ready = len(joined) >= max(expected_first, self.min_world)
-            else:  # survivors: every previous member still beating has joined
-                waiting = [u for u in previous if u not in joined and self._alive(u)]
-                ready = not waiting and len(joined) >= self.min_world
+                return  # another process took over while this one was away (frozen)
+            n = int(self.store.add(_rk(r, "count"), 0))
+            now = time.monotonic()
+            declared = self.hb.declared(self.store if previous is not None else None)
+            if previous is not None:
+                needed = max(self.min_world, sum(1 for u in previous if u not in declared))
+            if n != last_n and (n >= needed or now - last_read >= self.hb.interval_s):
+                joined = self._joined(r)
+                last_n, last_read = n, now
+                if previous is not None:
+                    missing = [u for u in previous if u not in joined]
+                    watching = False
+            if previous is not None and not watching and now - started >= self.hb.interval_s:
+                # the previous members still missing an interval in (the live ones join at
+                # once): their counters ride on this process's heartbeat multi_get, so that a
+                # dead one that no ring successor declares is judged here
+                self.hb.watch(missing)
+                watching = True
+            if previous is None:
+                ready = len(joined) >= needed
+            else:
+                ready = sum(1 for u in joined if u == self.uid or u not in declared) >= \
+                    self.min_world and not any(self._alive(u, declared) for u in missing)
             if ready:
-                order = {u: k for k, u in enumerate(previous or [])}
-                proposal = sorted(set(joined), key=lambda u: (order.get(u, len(order)), u))
-                self.store.compare_set(key, "", json.dumps(
-                    {"members": proposal, "admitted": self._admitted(proposal)}))
-                break
-            if time.monotonic() > deadline:
+                # a member that joined and was then declared dead (lost while the round formed)
+                # is left out: its groups would never come up
+                self._write(r, previous, {u: j for u, j in joined.items()
+                                          if u == self.uid or u not in declared})
+                return
+            if now > deadline:
+                waiting = [u for u in missing if self._alive(u, declared)]
                 raise RecoveryGaveUp(
-                    f"round {r}: {len(joined)} process(es) joined within {self.form_timeout_s:.0f} s "
-                    f"({joined}), fewer than needed (min_world={self.min_world}"
-                    + (f", first round: {expected_first}" if previous is None else "") + ")"
-                )
-            time.sleep(0.01)
-        record = json.loads(self.store.get(key).decode())
-        if self.uid not in record["members"]:
-            raise Excluded(f"round {r} was formed without this process ({self.uid})")
-        return list(record["members"]), int(record["admitted"])
+                    f"round {r}: {len(joined)} process(es) joined within {self.form_timeout_s:.0f} s, "
+                    f"fewer than needed (min_world={self.min_world}"
+                    + (f", first round: {expected_first}" if previous is None else
+                       f", still beating but not joined: {waiting[:8]}") + ")")
+            time.sleep(self.poll_s)
 
-    def _admitted(self, members: list[str]) -> int:
-        """Join slots admitted once this round forms: those admitted before, and those of any
-        registered process that joins it directly (a joiner that was waiting when the round
-        began to form)."""
-        n = int(self.store.add("aegis/admitted", 0))
-        for u in members:
-            k = f"aegis/join/slot_of/{u}"
-            if self.store.check([k]):
-                n = max(n, int(self.store.get(k).decode()))
-        return n
+    def _write(self, r: int, previous: list[str] | None, joined: dict[str, int]) -> None:
+        order = {u: k for k, u in enumerate(previous or [])}
+        proposal = sorted(joined, key=lambda u: (order.get(u, len(order)), u))
+        admitted = max([int(self.store.add("aegis/admitted", 0))] + [joined[u] for u in proposal])
+        record: dict[str, Any] = {"admitted": admitted, "by": self.uid}
+        base = self._lists.get(r - 1) if previous is not None else None
+        if base is not None:
+            inside = set(proposal)
+            known = set(base)
+            record.update(base=r - 1, removed=[u for u in base if u not in inside],
+                          added=[u for u in proposal if u not in known], size=len(proposal))
+            if _apply(base, record) != proposal:  # the order is not base's: send the whole list
+                base = None
+        if base is None:
+            record = {"members": proposal, "admitted": admitted, "by": self.uid}
+        # the whole list, for processes that do not know the base round (joiners), under this
+        # proposer's name: two proposers after a takeover never overwrite each other's
+        self.store.set(_rk(r, f"list/{self.uid}"), json.dumps(proposal))
+        text = json.dumps(record)
+        if self.store.compare_set(_rk(r, "members"), "", text).decode() == text:
+            self.proposed.append(r)
+
+    def _await(self, r: int, previous: list[str] | None, expected_first: int, deadline: float,
+               proposer: str, eligible: bool) -> None:
+        """Wait (server-side) for the proposal; every ``slice`` s without one, check that the
+        proposer still beats (its counter, 1 request) and take over if it stopped or was
+        declared dead."""
+        key = _rk(r, "members")
+        slice_s = max(2.0, 2.0 * self.dead_after_s + 1.0)  # longer than a formation after a loss
+        last: tuple[str, int] | None = None
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RecoveryGaveUp(f"round {r}: no proposal within {self.form_timeout_s:.0f} s "
+                                     f"(proposer {proposer or 'none'})")
+            with contextlib.suppress(Exception):  # DistStoreError: the slice ran out
+                self.store.wait([key], timedelta(seconds=min(slice_s, remaining)))
+                return
+            if self.store.check([key]):
+                return
+            if not eligible:
+                continue
+            proposer = self.store.compare_set(_rk(r, "proposer"), "", self.uid).decode()
+            if proposer == self.uid:
+                break
+            beat = int(self.store.add(_hb(proposer), 0))
+            if proposer in self.hb.declared() or last == (proposer, beat):
+                took = self.store.compare_set(_rk(r, "proposer"), proposer, self.uid).decode()
+                if took == self.uid:
+                    break
+                proposer = took
+            last = (proposer, beat)
+        self._propose(r, previous, expected_first, deadline)
+
+    def _read(self, r: int) -> tuple[list[str], int]:
+        record = json.loads(self.store.get(_rk(r, "members")).decode())
+        return self._members_of(r, record), int(record["admitted"])
+
+    def _members_of(self, r: int, record: dict[str, Any]) -> list[str]:
+        if "members" in record:
+            return list(record["members"])
+        base = self._lists.get(int(record["base"]))
+        if base is not None:
+            out = _apply(base, record)
+            if len(out) == int(record["size"]):
+                return out
+        return list(json.loads(self.store.get(_rk(r, f"list/{record['by']}")).decode()))
+
+    def _keep(self, r: int, members: list[str]) -> None:
+        self._lists = {k: v for k, v in self._lists.items() if k >= r - 1}
+        self._lists[r] = members
+
+    def round_list(self, r: int) -> list[str]:
+        """The members of round ``r`` (formed), from what this process knows or the store."""
+        if r not in self._lists:
+            self._keep(r, self._read(r)[0])
+        return list(self._lists[r])
+
+    # -- growing back -------------------------------------------------------------------------
+
+    def admit(self, r: int, members: list[str], admitted: int, registered: int) -> list[str]:
+        """After a ``Regroup`` ended round ``r - 1`` of ``members``: admit the processes that
+        registered (join slots ``admitted + 1 .. registered``, the same numbers on every member:
+        the snapshot vote) into round ``r``; returns its ``previous`` (members, then the joiners).
+        Every member calls it: 3 requests each, O(joiners) bytes."""
+        slots = list(range(admitted + 1, registered + 1))
+        keys = [f"aegis/join/slot/{i}" for i in slots]
+        if keys and not self.store.check(keys):  # a registrant lost between its two writes
+            keys = [k for k in keys if self.store.check([k])]
+        names = [v.decode() for v in self.store.multi_get(keys)] if keys else []
+        known = set(members)
+        joiners: list[str] = []
+        for u in names:
+            if u not in known:
+                known.add(u)
+                joiners.append(u)
+        plan = json.dumps({"round": r, "base": r - 1, "joiners": joiners})
+        if slots:
+            self.store.multi_set([f"aegis/join/round/{i}" for i in slots], [plan] * len(slots))
+        self.store.set("aegis/admitted", str(registered))
+        return members + joiners
+
+    def _register(self) -> int:
+        slot = int(self.store.add("aegis/join/count", 1))
+        self.store.set(f"aegis/join/slot/{slot}", self.uid)
+        self.store.set(f"aegis/join/slot_of/{self.uid}", str(slot))
+        return slot
+
+    def join(self, *, timeout_s: float, misses: int = 0,
+             poll_s: float = 0.05) -> tuple[int, list[str] | None, int]:
+        """A process that starts while the job runs (a replacement node, a worker restarted by its
+        launcher) or that a round was formed without (it was frozen or cut off, then came back):
+        register, then wait to be admitted. Returns the round to form, its ``previous`` list and
+        this process's join slot (round -1: the job finished meanwhile).
+
+        * the survivors admit it at their next snapshot (``Manager.save`` votes, every rank raises
+          ``Regroup`` after that snapshot committed) by writing ``aegis/join/round/<slot>``;
+        * a round that is being formed (the survivors of a failure) is joined directly;
+        * when no member of the newest round is alive (its heartbeats stopped: the whole job was
+          restarted by its launcher), the processes waiting here form the next round among
+          themselves (``WORLD_SIZE`` of them, as in the first round) and restore from the stores.
+          A few members (its ring successors) are watched; only when they all look dead are all
+          members watched, and the job is taken for dead once none of them moved for
+          ``dead_after_s``.
+
+        ``misses``: admitted rounds this process missed in a row; it registers after
+        :func:`backoff_s` of them, and again after a longer wait each time its slot is admitted
+        into a round it misses. 5 requests per poll (every ``poll_s``), the newest round's list
+        read once per round.
+        """
+        store, hb = self.store, self.hb
+        hb.follow([], None)
+        if not backoff(store, backoff_s(misses)):
+            return -1, None, 0
+        slot = self._register()
+        key = f"aegis/join/round/{slot}"
+        deadline = time.monotonic() + timeout_s
+        r = latest_round(store)
+        seen_r = -1
+        members: list[str] = []
+        others: list[str] = []
+        everyone = False  # the sample looked dead: every member is watched
+        since = time.monotonic()
+        while True:
+            if store.check([key]):
+                plan = json.loads(store.get(key).decode())
+                previous = self.round_list(int(plan["base"])) + list(plan["joiners"])
+                return int(plan["round"]), previous, slot
+            r = latest_round(store, r)
+            if r != seen_r:
+                members = self.round_list(r)
+                others = [u for u in members if u != self.uid]
+                hb.watch(successors(others, self.uid, hb.watchers) if others else [])
+                seen_r, since, everyone = r, time.monotonic(), False
+            if store.check([_rk(r, "done")]):
+                return -1, None, 0  # the job finished while this process waited
+            if int(store.add(_rk(r + 1, "count"), 0)) > 0:  # survivors are forming a round
+                return r + 1, members, slot
+            if int(store.add("aegis/admitted", 0)) >= slot and not store.check([key]):
+                # its slot was admitted into a round it missed: a new slot, after a while
+                misses += 1
+                if not backoff(store, backoff_s(misses)):
+                    return -1, None, 0
+                slot = self._register()
+                key = f"aegis/join/round/{slot}"
+            watched = hb.watched()
+            if time.monotonic() - since > self.dead_after_s and all(
+                    hb.silent_for(u) >= self.dead_after_s for u in watched):
+                if everyone or len(watched) >= len(others):
+                    return r + 1, None, slot  # nobody of the newest round is alive: restarted job
+                hb.watch(others)  # the sample is silent: all of them, before concluding
+                since, everyone = time.monotonic(), True
+            if time.monotonic() > deadline:
+                raise RecoveryGaveUp(f"registered to join the running job (slot {slot}) but was "
+                                     f"not admitted within {timeout_s:.0f} s: the job saves no "
+                                     "snapshot, or has ended")
+            time.sleep(poll_s)
+
+
+def _apply(base: list[str], record: dict[str, Any]) -> list[str]:
+    removed = set(record["removed"])
+    return [u for u in base if u not in removed] + list(record["added"])
 
 
 class Excluded(RecoveryGaveUp):  # noqa: N818
@@ -210,7 +662,7 @@ class Excluded(RecoveryGaveUp):  # noqa: N818
 
 def latest_round(store: Any, start: int = 0) -> int:
     r = start
-    while store.check([f"aegis/round/{r + 1}/members"]):
+    while store.check([_rk(r + 1, "members")]):
         r += 1
     return r
 
@@ -224,72 +676,11 @@ def backoff_s(misses: int) -> float:
     return 0.0 if misses <= 1 else min(30.0, 2.0 ** (misses - 2))
 
 
-def join_running(store: dist.TCPStore, uid: str, hb: Heartbeat, *, dead_after_s: float,
-                  timeout_s: float, misses: int = 0) -> tuple[int, list[str] | None]:
-    """A process that starts while the job runs (a replacement node, a worker restarted by its
-    launcher) or that a round was formed without (it was frozen or cut off, then came back):
-    register, then wait to be admitted. Returns the round to form and its ``previous`` list
-    (round -1: the job finished meanwhile).
-
-    * the survivors admit it at their next snapshot (``Manager.save`` votes, every rank raises
-      ``Regroup`` after that snapshot committed) by writing ``aegis/join/round/<slot>``;
-    * a round that is being formed (the survivors of a failure) is joined directly;
-    * when no member of the newest round is alive (its heartbeats stopped: the whole job was
-      restarted by its launcher), the processes waiting here form the next round among
-      themselves (``WORLD_SIZE`` of them, as in the first round) and restore from the stores.
-
-    ``misses``: admitted rounds this process missed in a row; it registers after
-    :func:`backoff_s` of them, and again after a longer wait each time its slot is admitted
-    into a round it misses.
-    """
-    if not backoff(store, backoff_s(misses)):
-        return -1, None
-    slot = store.add("aegis/join/count", 1)
-    store.set(f"aegis/join/slot/{slot}", uid)
-    store.set(f"aegis/join/slot_of/{uid}", str(slot))
-    key = f"aegis/join/round/{slot}"
-    deadline = time.monotonic() + timeout_s
-    since = time.monotonic()
-    r = latest_round(store)
-    watching: list[str] = []
-    while True:
-        if store.check([key]):
-            plan = json.loads(store.get(key).decode())
-            return int(plan["round"]), list(plan["previous"])
-        r = latest_round(store, r)
-        members = json.loads(store.get(f"aegis/round/{r}/members").decode())["members"]
-        others = [u for u in members if u != uid]
-        if others != watching:
-            hb.watch(others)
-            watching, since = others, time.monotonic()
-        if store.check([f"aegis/round/{r}/done"]):
-            return -1, None  # the job finished while this process waited
-        if store.add(f"aegis/round/{r + 1}/count", 0) > 0:  # survivors are forming a round
-            return r + 1, members
-        if int(store.add("aegis/admitted", 0)) >= slot and not store.check([key]):
-            # its slot was admitted into a round it missed: a new slot, after a while
-            misses += 1
-            if not backoff(store, backoff_s(misses)):
-                return -1, None
-            slot = store.add("aegis/join/count", 1)
-            store.set(f"aegis/join/slot/{slot}", uid)
-            store.set(f"aegis/join/slot_of/{uid}", str(slot))
-            key = f"aegis/join/round/{slot}"
-        if time.monotonic() - since > dead_after_s and all(
-                hb.silent_for(u) >= dead_after_s for u in others):
-            return r + 1, None  # nobody of the newest round is alive: a restarted job
-        if time.monotonic() > deadline:
-            raise RecoveryGaveUp(f"registered to join the running job (slot {slot}) but was not "
-                                 f"admitted within {timeout_s:.0f} s: the job saves no snapshot, "
-                                 "or has ended")
-        time.sleep(0.02)
-
-
-def backoff(store: dist.TCPStore, wait_s: float) -> bool:
+def backoff(store: Any, wait_s: float) -> bool:
     """Sleep ``wait_s`` unless the job finishes meanwhile (then False)."""
     until = time.monotonic() + wait_s
     while time.monotonic() < until:
-        if store.check([f"aegis/round/{latest_round(store)}/done"]):
+        if store.check([_rk(latest_round(store), "done")]):
             return False
         time.sleep(min(0.2, max(0.0, until - time.monotonic())))
     return True
