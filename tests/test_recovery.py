@@ -109,3 +109,47 @@ def test_no_intact_source_left_names_step_rank_and_what_was_tried(store_dir: Pat
         assert "step 3: no intact copy of the shard of rank 0" in e
         assert "'b'" in e or "b (local copy)" in e or "b:" in e
         assert "Nothing was loaded" in e
+
+
+def test_a_reshard_fetches_only_the_bytes_it_reads(store_dir: Path) -> None:
+    """4 nodes -> 3 (one lost): a new rank that reads a third of another node's shard fetches
+    those byte ranges (issue 24; before, the whole chunks holding them), each with the crc32c
+    its sender computed after checking the chunks against the manifest; bitwise."""
+    saved = run_ranks(4, _save, str(store_dir), ["a", "b", "c", "d"], 2)[0]
+    lose(store_dir, "d")
+    out = run_ranks(3, _restore, str(store_dir), ["a", "b", "c"], 2)
+    assert [o["step"] for o in out] == [3, 3, 3], out
+    assert_bitwise_equal(saved, out[0]["full"])
+    peer = [s for o in out for s in o["sources"] if s["tier"] == "peer"]
+    assert peer and all(s["fetch_bytes"] <= 1.5 * s["bytes_read"] for s in peer), peer
+    ranged = [s for s in peer if s["fetch_bytes"] <= 1.02 * s["bytes_read"]]
+    assert ranged, peer  # at least one fetch moved the bytes read and no more
+
+
+def _ranged_from_a_damaged_copy(rank: int, world: int, root: str) -> Any:
+    from aegis.training import recovery
+
+    nodes = ["a", "b"]
+    model, opt, sched = build(world, seed=3)
+    mgr = _mgr(root, nodes[rank], model, opt, sched, replicas=1)
+    store = mgr.store
+    m = NodeStore(f"{root}/a", JOB).read_manifest(3)
+    rec = m.shard(1)  # held by b (its own) and a (the replica, damaged below)
+    ids = {0}
+    spans = [(rec.items[0].file_offset, rec.items[0].file_offset + 64)]
+    out = recovery._run_transfers(store, mgr.group, mgr.transport, m,
+                                  [(1, "a", "b", (ids, spans))], lambda n, s: nodes.index(n))
+    mgr.close()
+    return out
+
+
+def test_a_sender_never_vouches_for_a_damaged_copy(store_dir: Path) -> None:
+    """A ranged fetch from a copy whose chunk fails its crc32c on the sender: the sender sends
+    no checksum for it and the receiver rejects it (the next source is tried)."""
+    run_ranks(2, _save, str(store_dir), ["a", "b"], 1)
+    flip_byte(store_dir / "a", 3, 1)  # a's replica of rank 1's shard, in its first chunk
+    out = run_ranks(2, _ranged_from_a_damaged_copy, str(store_dir))
+    [(shard, src, dst, err, _, _, part)] = out[1]
+    assert (shard, src, dst, part) == (1, "a", "b", True)
+    assert err is not None and "failed its check" in err, err
+    assert not NodeStore(store_dir / "b", JOB).partial_path(3, 1).exists()
