@@ -72,7 +72,7 @@ import json
 import math
 import os
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -661,3 +661,50 @@ def measured_from_bench(path: str | os.PathLike[str]) -> Measured:
         raise ValueError(f"{p}: not a result of bench/recovery.py, snapshot_overhead.py, "
                          "restore.py or goodput.py")
     return m
+
+
+# -- costs that grow with the job: bench/scale.py's fitted series at the job's size (issue 24) ----
+
+# (panel, label) of bench/scale.py's series -> the cost it measures
+SCALE_COSTS = {
+    "commit_s": ("commit time per snapshot (s)", "format 4 (issue 24)"),
+    "detect_s": ("fault -> every survivor fenced it (s)", "SIGKILL of a node"),
+    "agree_s": ("loss published -> every survivor has the next round (s)", "after the SIGKILL"),
+}
+
+
+def fit_loglog(x: Sequence[float], y: Sequence[float]) -> tuple[float, float] | None:
+    """Least squares of log y = a + b log x over the positive points; (a, b), or None."""
+    pts = [(math.log(a), math.log(b)) for a, b in zip(x, y, strict=True) if a > 0 and b and b > 0]
+    if len(pts) < 2:
+        return None
+    mx = sum(p[0] for p in pts) / len(pts)
+    my = sum(p[1] for p in pts) / len(pts)
+    sxx = sum((p[0] - mx) ** 2 for p in pts)
+    if sxx == 0:
+        return None
+    b = sum((p[0] - mx) * (p[1] - my) for p in pts) / sxx
+    return my - b * mx, b
+
+
+def scale_costs(doc: Mapping[str, Any], ranks: int) -> dict[str, dict[str, float]]:
+    """Each of :data:`SCALE_COSTS` that ``doc`` (``bench/results/scale.json``) measured, fitted
+    log-log and evaluated at ``ranks``: ``{name: {value, exponent, measured_to}}``. Points the
+    benchmark marked as limited by its machine are left out; a cost with fewer than two usable
+    points is absent."""
+    out: dict[str, dict[str, float]] = {}
+    series = [s for sec in doc.get("sections", {}).values() for s in sec.get("series", [])]
+    for name, (panel, label) in SCALE_COSTS.items():
+        s = next((s for s in series if s.get("panel") == panel and s.get("label") == label), None)
+        if s is None:
+            continue
+        limited = s.get("limited") or [False] * len(s["x"])
+        pts = [(x, y) for x, y, lim in zip(s["x"], s["y"], limited, strict=True)
+               if y is not None and not lim]
+        ab = fit_loglog([p[0] for p in pts], [p[1] for p in pts])
+        if ab is None:
+            continue
+        a, b = ab
+        out[name] = {"value": math.exp(a) * ranks ** b, "exponent": b,
+                     "measured_to": float(max(p[0] for p in pts))}
+    return out

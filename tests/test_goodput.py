@@ -545,3 +545,45 @@ def test_auto_ranks_agree_and_durable_follows(store_dir: Path, tmp_path: Path) -
     uploads = [e["step"] for e in _events(store_dir, "auto2", 0) if e["event"] == "upload" and e["committed"]]
     crossings = [s for prev, s in zip([0, *saved[0]], saved[0], strict=False) if s // 4 > prev // 4]
     assert uploads and set(uploads) <= set(crossings)
+
+
+def test_plan_adds_the_costs_that_grow_with_the_job_from_scale_results(tmp_path: Path) -> None:
+    """`aegis plan --scale scale.json`: bench/scale.py's series fitted log-log and evaluated at
+    nodes x gpus-per-node ranks, added to the memory tier's latency (commit) and restart
+    (detection + agreement). Synthetic series with known growth; points marked limited by the
+    machine are left out of the fit."""
+    from aegis.goodput import SCALE_COSTS, scale_costs
+
+    xs = [8, 64, 512]
+
+    def series(name: str, ys: list[float], limited: list[bool] | None = None) -> dict[str, Any]:
+        panel, label = SCALE_COSTS[name]
+        return {"panel": panel, "label": label, "x": xs, "y": ys,
+                **({"limited": limited} if limited else {})}
+
+    doc = {"sections": {
+        "metadata": {"series": [series("commit_s", [0.02, 0.02, 0.02])]},
+        "membership": {"series": [
+            series("detect_s", [1.2, 1.2, 9.0], limited=[False, False, True]),
+            series("agree_s", [0.1 * (x / 8) ** 0.5 for x in xs])]},
+    }}
+    got = scale_costs(doc, 1024)
+    assert got["commit_s"]["value"] == pytest.approx(0.02)
+    assert got["detect_s"]["value"] == pytest.approx(1.2)  # the limited point is not fitted
+    assert got["agree_s"]["value"] == pytest.approx(0.1 * (1024 / 8) ** 0.5)
+    assert got["agree_s"]["exponent"] == pytest.approx(0.5)
+    path = tmp_path / "scale.json"
+    path.write_text(json.dumps(doc))
+    runner = CliRunner()
+    args = ["--nodes", "128", "--gpus-per-node", "8", "--failures-per-day", "10", "--snapshot-s",
+            "0.1", "--restart-s", "2", "--json"]
+    base = json.loads(runner.invoke(plan_cmd, args).output)
+    r = runner.invoke(plan_cmd, [*args, "--scale", str(path)])
+    assert r.exit_code == 0, r.output
+    grown = json.loads(r.output)
+    assert grown["scale"]["ranks"] == 1024
+    assert grown["costs"]["memory"]["restart_s"] == pytest.approx(2 + 1.2 + 0.1 * 128 ** 0.5)
+    assert grown["costs"]["memory"]["latency_s"] == pytest.approx(
+        base["costs"]["memory"]["latency_s"] + 0.02)
+    lost = {s["name"]: s["lost"] for s in grown["strategies"]}
+    assert lost["memory + durable"] > {s["name"]: s["lost"] for s in base["strategies"]}["memory + durable"]

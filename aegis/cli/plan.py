@@ -7,7 +7,9 @@ step_s}, intervals: {memory: {young_s, daly_s, multi_level_s}, durable: {young_s
 multi_level_s}}, strategies: [{name, memory_interval_s, durable_interval_s, durable_every_n,
 checkpoint, recompute, restart, goodput, lost, gpu_hours_lost_per_day, cost_lost_per_day}],
 measured: {sources, counts}, redundancy: {scheme, group_size, survives, memory_factor,
-replica_memory_factor, node_store_gb, replica_node_store_gb, rebuild_bytes_factor}, notes: [str]``
+replica_memory_factor, node_store_gb, replica_node_store_gb, rebuild_bytes_factor}, notes: [str],
+scale (with --scale): {ranks, source, projected: {commit_s|detect_s|agree_s: {value, exponent,
+measured_to}}, added: {memory_latency_s, restart_s}}``
 (fractions of wall-clock time; seconds; ``null`` where undefined, e.g. no price given, or no
 failure needs the durable tier).
 """
@@ -30,6 +32,7 @@ from aegis.goodput import (
     TierCosts,
     measured_from_bench,
     measured_from_events,
+    scale_costs,
 )
 from aegis.goodput import plan as make_plan
 
@@ -132,6 +135,12 @@ def _pick(name: str, explicit: float | None, measured: float | None, fallback: f
               help="Training state per node (GB), to size the node store (x (keep + 1)).")
 @click.option("--keep", type=click.IntRange(min=1), default=1, show_default=True,
               help="Committed snapshots kept in memory (Manager(keep=)), for the node store size.")
+@click.option("--scale", "scale_file", type=click.Path(path_type=Path, exists=True, dir_okay=False),
+              default=None,
+              help="bench/scale.py's result (scale.json): the costs that grow with the job (commit "
+                   "time per snapshot; detecting a lost node and agreeing on the next round), "
+                   "fitted and evaluated at nodes x gpus-per-node ranks, are added to the memory "
+                   "tier's latency and restart costs.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
 def plan(nodes: int, gpus_per_node: int, gpu_hour_cost: float | None, mtbf_node_hours: float | None,
          failures_per_day: float | None, memory_coverage: float, snapshot_s: float | None,
@@ -140,7 +149,7 @@ def plan(nodes: int, gpus_per_node: int, gpu_hour_cost: float | None, mtbf_node_
          durable_latency_s: float | None,
          step_s: float | None, events_dirs: tuple[Path, ...], bench_files: tuple[Path, ...],
          redundancy: str | None, group_size: int, parity: int, state_gb_per_node: float | None,
-         keep: int, as_json: bool) -> int:
+         keep: int, scale_file: Path | None, as_json: bool) -> int:
     """Optimal snapshot intervals (Young, Daly, two-level) and the expected cost of failures:
     durable-only checkpointing against memory + durable. Costs default to the ones measured in
     a run's events (--events) or a benchmark result (--bench); explicit options override."""
@@ -170,6 +179,23 @@ def plan(nodes: int, gpus_per_node: int, gpu_hour_cost: float | None, mtbf_node_
     dur_lat = _pick("durable_latency_s", durable_latency_s, measured.durable_latency_s, 0.0, used,
                     "default 0")
     step = step_s if step_s is not None else measured.step_s
+    scale: dict[str, Any] | None = None
+    if scale_file is not None:
+        try:
+            projected = scale_costs(json.loads(scale_file.read_text()), nodes * gpus_per_node)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CliError(f"reading {scale_file}: {type(e).__name__}: {e}") from e
+        commit = projected.get("commit_s", {}).get("value", 0.0)
+        find = (projected.get("detect_s", {}).get("value", 0.0)
+                + projected.get("agree_s", {}).get("value", 0.0))
+        # the projected cost at this job's size on top of what was given or measured (measured
+        # at a few ranks, where these costs are small)
+        mem_lat += commit
+        restart += find
+        scale = {"ranks": nodes * gpus_per_node, "source": str(scale_file), "projected": projected,
+                 "added": {"memory_latency_s": commit, "restart_s": find}}
+        used["memory_latency_s"] += f" + projected commit at {nodes * gpus_per_node} ranks"
+        used["restart_s"] += f" + projected detection and agreement at {nodes * gpus_per_node} ranks"
     try:
         p = make_plan(
             nodes=nodes, gpus_per_node=gpus_per_node, mtbf_s=mtbf_s, memory_coverage=memory_coverage,
@@ -186,9 +212,18 @@ def plan(nodes: int, gpus_per_node: int, gpu_hour_cost: float | None, mtbf_node_
         doc = {"schema": "aegis.plan/1", **p.to_json(),
                "measured": {"sources": measured.sources, "counts": measured.counts, "used": used},
                "redundancy": red}
+        if scale is not None:
+            doc["scale"] = scale
         click.echo(json.dumps(_clean(doc), indent=2, allow_nan=False))
         return EXIT_OK
     _print(p, measured, used)
+    if scale is not None:
+        stdout_console().print(
+            f"Costs that grow with the job, fitted from {scale['source']} at {scale['ranks']:,} "
+            "ranks: " + ", ".join(f"{k} {_dur(v['value'])} (exponent {v['exponent']:.2f}, measured "
+                                  f"to {v['measured_to']:,.0f})" for k, v in scale["projected"].items())
+            + f"; added: memory latency {_dur(scale['added']['memory_latency_s'])}, restart "
+            f"{_dur(scale['added']['restart_s'])}")
     if redundancy is not None or state_gb_per_node is not None:
         _print_redundancy(red)
     return EXIT_OK
