@@ -184,7 +184,7 @@ class Heartbeat:
         self._store.add(self.key, 1)
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._epoch = 0  # bumped by follow/watch: a beat's readings of an older set are dropped
+        self._epoch = 0  # bumped when the followed round changes: a beat's log reading is dropped
         self._ring: list[str] = []  # successors on the followed round's ring: declared here
         self._extra: list[str] = []  # watched for this process's own decisions (watch())
         self._targets: list[str] = []  # ring + extra, once each
@@ -221,7 +221,6 @@ class Heartbeat:
         self._ring, self._extra = ring_, extra
         self._targets = list(dict.fromkeys(ring_ + extra))
         self._keys = [_hb(u) for u in self._targets]
-        self._epoch += 1
 
     def follow(self, members: list[str], r: int | None) -> None:
         """This process is in round ``r`` of ``members`` (or forms the next round from it):
@@ -230,6 +229,7 @@ class Heartbeat:
         ring_ = successors(members, self.uid, self.watchers) if members and r is not None else []
         with self._lock:
             self._rewatch(ring_, [])
+            self._epoch += 1
             log = None if r is None else _rk(r, "dead")
             if log != self._log:
                 self._log = log
@@ -239,8 +239,10 @@ class Heartbeat:
     def watch(self, uids: list[str]) -> None:
         """Also watch ``uids`` from now on (instead of the ones given before), for this
         process's own judgement (:meth:`silent_for`); they are never declared from here."""
+        extra = [u for u in dict.fromkeys(uids) if u != self.uid]
         with self._lock:
-            self._rewatch(self._ring, [u for u in dict.fromkeys(uids) if u != self.uid])
+            if extra != self._extra:  # a beat in flight keeps its readings (applied to whoever
+                self._rewatch(self._ring, extra)  # is still watched when it ends)
 
     def watched(self) -> list[str]:
         with self._lock:
@@ -295,13 +297,12 @@ class Heartbeat:
             return False
         now = time.monotonic()
         with self._lock:
-            if epoch != self._epoch:
-                return True  # follow/watch changed meanwhile: these readings are of the old set
             for u, v in zip(read, values, strict=False):
-                count = int(v)
                 last = self._seen.get(u)
-                if last is None or last[0] != count:
-                    self._seen[u] = (count, now)
+                if last is not None and last[0] != int(v):  # (None: no longer watched)
+                    self._seen[u] = (int(v), now)
+            if epoch != self._epoch:
+                return True  # another round followed meanwhile: this log is not its log
             if log is not None:
                 for line in values[-1].decode().splitlines():
                     if line and line not in self._declared:
