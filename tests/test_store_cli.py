@@ -1,7 +1,8 @@
 """``aegis store serve`` / ``aegis store ping`` (issue 25, part 6): the membership store as a
 command a cluster user runs. A real server process, real clients writing the membership keys in
-the layout of :mod:`aegis.training.inprocess.membership` (a round of two members, one that stops
-beating, one that registers to join), the log lines that say so, the health probes, SIGTERM."""
+the production membership protocol (:mod:`aegis.training.inprocess.membership`: three processes
+form a round, one stops beating and is declared dead, the others form the next round, a new one
+registers and is admitted), the log lines that say so, the health probes, SIGTERM."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 
@@ -46,6 +48,34 @@ def _healthz(port: int) -> tuple[int, dict]:  # type: ignore[type-arg]
         return e.code, json.loads(e.read())
 
 
+class _Process:
+    """One process of a job as ``run_in_process`` drives membership: the production heartbeat
+    (own client) and round formation (own client) of :mod:`aegis.training.inprocess.membership`."""
+
+    def __init__(self, port: int, uid: str) -> None:
+        from aegis.training.inprocess.membership import Heartbeat, Membership
+
+        def client() -> TCPStore:
+            return TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                            timeout=timedelta(seconds=30))
+
+        self.uid = uid
+        self.hb = Heartbeat(uid, 0.1, timedelta(seconds=30), dead_after_s=0.5, store=client())
+        self.m = Membership(client(), uid, self.hb, dead_after_s=0.5, form_timeout_s=30, min_world=1)
+        self.members: list[str] = []
+        self.admitted = 0
+
+    def enter(self, r: int, previous: list[str] | None, expected: int, join_slot: int = 0) -> list[str]:
+        self.members, self.admitted = self.m.form(r, previous, expected, join_slot=join_slot)
+        self.hb.follow(self.members, r)
+        return self.members
+
+
+def _all(fn, items):  # type: ignore[no-untyped-def]
+    with ThreadPoolExecutor(max_workers=len(items)) as pool:
+        return list(pool.map(fn, items))
+
+
 @pytest.mark.timeout(180)
 def test_serve_logs_members_answers_probes_and_stops_on_sigterm(tmp_path: Path) -> None:
     port, hport = free_port(), free_port()
@@ -53,70 +83,62 @@ def test_serve_logs_members_answers_probes_and_stops_on_sigterm(tmp_path: Path) 
     with open(log, "wb") as out:
         server = subprocess.Popen(
             [sys.executable, "-m", "aegis.cli", "store", "serve", "--host", "127.0.0.1", "--port",
-             str(port), "--health-port", str(hport), "--poll", "0.1", "--dead-after", "0.6"],
+             str(port), "--health-port", str(hport), "--poll", "0.1"],
             stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    stop = threading.Event()
+    procs: list[_Process] = []
     try:
         _wait_line(log, "ready on")
         ping = _cli("store", "ping", f"127.0.0.1:{port}")
         assert ping.returncode == 0 and "answered" in ping.stdout, ping
-        assert _healthz(hport) == (200, {"ok": True, "round": None, "members": [], "joining": 0})
+        assert _healthz(hport) == (200, {"ok": True, "round": None, "members": 0, "joining": 0})
 
-        # two members form round 0 the way aegis.run_in_process does (slots, then the proposal)
-        a, b = "node-0/0/101", "node-1/0/102"
-        s = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
-                     timeout=timedelta(seconds=10))
-        beating = {a: True, b: True}
+        # three processes form round 0 through the membership protocol
+        a, b, c, d = "node-0/0/101", "node-1/0/102", "node-2/0/103", "node-1/0/104"
+        procs = _all(lambda u: _Process(port, u), [a, b, c])
+        members = _all(lambda p: p.enter(0, None, 3), procs)[0]
+        for u in (a, b, c):
+            _wait_line(log, f"round 0: {u} joined")
+        _wait_line(log, f"round 0 formed: 3 member(s), in rank order {members}")
+        assert _healthz(hport)[1]["members"] == 3
 
-        def beat() -> None:
-            c = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
-                         timeout=timedelta(seconds=10))
-            while not stop.is_set():
-                for uid, on in list(beating.items()):
-                    if on:
-                        c.add(f"aegis/hb/{uid}", 1)
-                stop.wait(0.1)
+        # b is lost (its heartbeat stops): its watchers declare it dead; the others form round 1
+        procs[1].hb.stop()
+        _wait_line(log, f"{b} left: declared dead by its watchers in round 0")
+        live = [procs[0], procs[2]]
+        _all(lambda p: p.enter(1, members, 0), live)
+        _wait_line(log, f"round 1 formed: 2 member(s), in rank order {[a, c]}; left: {[b]}")
 
-        threading.Thread(target=beat, daemon=True).start()
-        for uid in (a, b):
-            i = s.add("aegis/round/0/count", 1)
-            s.set(f"aegis/round/0/slot/{i}", uid)
-        s.compare_set("aegis/round/0/members", "", json.dumps({"members": [a, b], "admitted": 0}))
-        _wait_line(log, f"round 0: {b} joined (slot 2)")
-        _wait_line(log, f"round 0 formed: 2 member(s), in rank order ['{a}', '{b}']")
-        code, doc = _healthz(hport)
-        assert code == 200 and doc["round"] == 0 and doc["members"] == [a, b]
-
-        # b stops beating (lost): a line says it left; a new process registers to join
-        beating[b] = False
-        _wait_line(log, f"{b} left (no heartbeat for")
-        c = "node-1/0/103"
-        beating[c] = True
-        j = s.add("aegis/join/count", 1)
-        s.set(f"aegis/join/slot/{j}", c)
-        _wait_line(log, f"{c} registered to join the running job (join slot 1)")
+        # a new process registers (it waits to be admitted), the survivors admit it at their
+        # next snapshot and form round 2 with it
+        joiner = _Process(port, d)
+        plan: dict[str, object] = {}
+        t = threading.Thread(target=lambda: plan.update(
+            zip(("r", "previous", "slot"), joiner.m.join(timeout_s=30), strict=True)), daemon=True)
+        t.start()
+        _wait_line(log, f"{d} registered to join the running job (join slot 1)")
         ping = _cli("store", "ping", f"127.0.0.1:{port}", "--json")
         doc = json.loads(ping.stdout)
-        assert ping.returncode == 0 and doc["ok"] and doc["round"] == 0 and doc["joining"] == 1, doc
-        # the survivors admit it into round 1
-        s.set("aegis/admitted", "1")
-        for uid in (a, c):
-            i = s.add("aegis/round/1/count", 1)
-            s.set(f"aegis/round/1/slot/{i}", uid)
-        s.compare_set("aegis/round/1/members", "", json.dumps({"members": [a, c], "admitted": 1}))
+        assert ping.returncode == 0 and doc["ok"] and doc["round"] == 1, doc
+        assert doc["members"] == [a, c] and doc["joining"] == 1, doc
+        previous = _all(lambda p: p.m.admit(2, p.members, p.admitted, 1), live)[0]
+        t.join(30)
+        assert plan["r"] == 2, plan
+        _all(lambda x: x[0].enter(2, x[1], 0, x[2]), [
+            (live[0], previous, 0), (live[1], previous, 0), (joiner, plan["previous"], plan["slot"])])
         _wait_line(log, "join slots 1..1 admitted")
-        _wait_line(log, f"round 1 formed: 2 member(s), in rank order ['{a}', '{c}']")
-        beating[b] = True  # the lost one beats again (a frozen process woken up)
-        _wait_line(log, f"{b} is back")
-        s.set("aegis/round/1/done", "1")
-        _wait_line(log, "round 1 done: the job finished")
-        del s
+        _wait_line(log, f"round 2 formed: 3 member(s), in rank order {[a, c, d]}; new: {[d]}")
+        procs.append(joiner)
+        TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                 timeout=timedelta(seconds=10)).set("aegis/round/2/done", "1")
+        _wait_line(log, "round 2 done: the job finished")
     finally:
-        stop.set()
+        for p in procs:
+            p.hb.stop()
         server.send_signal(signal.SIGTERM)
         rc = server.wait(timeout=30)
     assert rc == 0, log.read_text()
     assert _wait_line(log, "stopped")
+    assert "membership read failed" not in log.read_text()
     down = _cli("store", "ping", f"127.0.0.1:{port}", "--timeout", "1")
     assert down.returncode == 1 and "did not answer" in down.stderr, down
 

@@ -2,7 +2,7 @@
 
 ::
 
-    aegis store serve [--host 0.0.0.0] [--port 29400] [--health-port 29401]
+    aegis store serve [--host 0.0.0.0] [--port 29400] [--health-port 29401] [--poll 0.5]
     aegis store ping HOST:PORT [--timeout 2] [--json]
 
 ``serve`` hosts a c10d ``TCPStore`` (libuv) that no training node owns: torchrun's c10d
@@ -10,20 +10,23 @@ rendezvous (``--rdzv-endpoint=HOST:PORT --rdzv-conf=is_host=false``) and aegis' 
 (``AEGIS_MEMBERSHIP=HOST:PORT``) both use it, so losing any training node never takes it along.
 It prints one line per membership change, read from the membership keys
 (:mod:`aegis.training.inprocess.membership`) every ``--poll`` seconds by a client of its own:
-a process taking a slot in a round, a round formed (its members in rank order), a process
-registering to join the running job, join slots admitted, a member whose heartbeat stopped
-for ``--dead-after`` seconds (left) or moved again (back), the job done. Each poll reads O(members
-of the newest round + processes seen) keys: a membership-sized cost, nothing per training step.
+a process joining a round (its join log), a round formed (its size, the members that left and
+the new ones; its members in rank order up to 16), a member declared dead by its watchers (the
+round's death log), a process registering to join the running job, join slots admitted, the
+job done. A poll is O(1) requests at any world size (a round's join log is read when its count
+moves, a formed round's record once): nothing per training step, nothing per member.
 
-Health: ``--health-port`` serves ``GET /healthz`` (200 with a JSON body while the store answers
-a read within a second, 503 otherwise) for a Kubernetes ``httpGet`` probe; ``aegis store ping``
+Health: ``--health-port`` serves ``GET /healthz`` (200 with a JSON body, the membership as last
+read, while the store answers a read within a second; 503 otherwise) for a Kubernetes
+``httpGet`` probe; ``aegis store ping``
 reads one key through the store's own protocol and exits 0 (answered) or 1 (did not), for an
 ``exec`` probe or a script. SIGTERM or SIGINT: the watcher and the health server stop, the store
 closes, exit 0.
 
 JSON (``ping --json``, schema ``aegis.store.ping/1``): ``address, ok, latency_ms, round (the
 newest round formed, null when none), members (its members in rank order), joining (processes
-registered to join and not yet admitted), error``.
+registered to join and not yet admitted), error``. ``/healthz``: ``ok, round, members (a count),
+joining`` (or ``ok: false, error``).
 """
 
 from __future__ import annotations
@@ -68,85 +71,125 @@ def _count(s: Any, key: str) -> int:
     return int(s.get(key).decode()) if s.check([key]) else 0
 
 
-def read_state(s: Any, start: int = 0) -> dict[str, Any]:
-    """The newest round formed from ``start`` on (members in rank order) and how many processes
-    wait to join; every read is a ``check`` first, so nothing is created."""
-    r, members = None, []
-    k = start
-    while s.check([f"aegis/round/{k}/members"]):
-        r, k = k, k + 1
-    if r is not None:
-        members = list(json.loads(s.get(f"aegis/round/{r}/members").decode())["members"])
+def _members_of(s: Any, r: int, base: list[str] | None) -> list[str]:
+    """Round ``r``'s members in rank order: the record is the whole list, or the change from
+    round ``r - 1`` (``base``, when known here), else the proposer's whole list beside it."""
+    record = json.loads(s.get(f"aegis/round/{r}/members").decode())
+    if "members" in record:
+        return list(record["members"])
+    if base is not None and int(record.get("base", -1)) == r - 1:
+        removed = set(record["removed"])
+        out = [u for u in base if u not in removed] + list(record["added"])
+        if len(out) == int(record["size"]):
+            return out
+    return list(json.loads(s.get(f"aegis/round/{r}/list/{record['by']}").decode()))
+
+
+def read_state(s: Any) -> dict[str, Any]:
+    """The newest round formed (its members in rank order) and how many processes wait to
+    join; every read is a ``check`` first, so nothing is created. O(rounds) checks: a probe."""
+    r = None
+    while s.check([f"aegis/round/{0 if r is None else r + 1}/members"]):
+        r = 0 if r is None else r + 1
+    members = _members_of(s, r, None) if r is not None else []
     registered, admitted = _count(s, "aegis/join/count"), _count(s, "aegis/admitted")
     return {"round": r, "members": members, "joining": max(0, registered - admitted)}
 
 
-class Watcher:
-    """Reads the membership keys every ``poll_s`` and says what changed (``say``, one line
-    each). Called from the ``serve`` thread that owns it; :meth:`poll` is one pass."""
+def _short(uids: list[str], limit: int = 16) -> str:
+    return str(uids) if len(uids) <= limit else f"[{', '.join(uids[:limit])}, ... {len(uids) - limit} more]"
 
-    def __init__(self, client: Any, say: Any, *, dead_after_s: float) -> None:
+
+class Watcher:
+    """Reads the membership keys (:mod:`aegis.training.inprocess.membership`) every ``poll_s``
+    and says what changed, one line each (``say``); :meth:`poll` is one pass. A pass costs O(1)
+    requests (the newest round's join count, members and death log, the next round's count,
+    the registration count, ``admitted``, ``done``); a round's join log is read when its count
+    moves, a formed round's record once."""
+
+    def __init__(self, client: Any, say: Any) -> None:
         self.s = client
         self.say = say
-        self.dead_after_s = dead_after_s
-        self.round = 0  # the round whose slots are read next
-        self.slots: dict[int, int] = {}  # round -> slots announced
-        self.formed: set[int] = set()
-        self.joins = 0  # join slots announced
+        self.round = 0  # the newest round followed
+        self.joined: dict[int, int] = {}  # round -> lines of its join log announced
+        self.counted: dict[int, int] = {}  # round -> its join count at the last read
+        self.dead: dict[int, int] = {}  # round -> lines of its death log announced
+        self.formed: dict[int, list[str]] = {}  # the last two rounds formed -> members
+        self.joins = 0  # registrations announced
         self.admitted = 0
         self.done = False
-        self.beats: dict[str, tuple[int, float, bool]] = {}  # uid -> (counter, moved at, silent)
 
-    def _seen(self, uid: str) -> None:
-        self.beats.setdefault(uid, (-1, time.monotonic(), False))
+    @property
+    def view(self) -> dict[str, Any]:
+        """The newest round formed as last read, for the health probe."""
+        r = max(self.formed, default=None)
+        return {"round": r, "members": len(self.formed[r]) if r is not None else 0,
+                "joining": max(0, self.joins - self.admitted)}
+
+    def _join_log(self, r: int) -> None:
+        n = _count(self.s, f"aegis/round/{r}/count")
+        if n == self.counted.get(r, 0):
+            return
+        self.counted[r] = n
+        text = _get(self.s, f"aegis/round/{r}/joined") or ""
+        lines = [x for x in text.splitlines() if x]
+        for line in lines[self.joined.get(r, 0):]:
+            e = json.loads(line)
+            self.say(f"round {r}: {e['u']} joined" + (f" (join slot {e['j']})" if e.get("j") else ""))
+        self.joined[r] = len(lines)
+
+    def _formed(self, r: int) -> None:
+        if r in self.formed or not self.s.check([f"aegis/round/{r}/members"]):
+            return
+        prev = self.formed.get(r - 1)
+        members = _members_of(self.s, r, prev)
+        self.formed = {k: v for k, v in self.formed.items() if k >= r - 1}
+        self.formed[r] = members
+        line = f"round {r} formed: {len(members)} member(s)"
+        if len(members) <= 16:
+            line += f", in rank order {members}"
+        if prev is not None:
+            inside, known = set(members), set(prev)
+            left = [u for u in prev if u not in inside]
+            new = [u for u in members if u not in known]
+            line += (f"; left: {_short(left)}" if left else "") + (f"; new: {_short(new)}" if new else "")
+        self.say(line)
+
+    def _death_log(self, r: int) -> None:
+        text = _get(self.s, f"aegis/round/{r}/dead")
+        if not text:
+            return
+        lines = [x for x in text.splitlines() if x]
+        for uid in lines[self.dead.get(r, 0):]:
+            self.say(f"{uid} left: declared dead by its watchers in round {r}")
+        self.dead[r] = len(lines)
 
     def poll(self) -> None:
-        s = self.s
         r = self.round
-        while True:  # rounds being formed or formed since the last pass
-            n = _count(s, f"aegis/round/{r}/count")
-            for i in range(self.slots.get(r, 0) + 1, n + 1):
-                uid = _get(s, f"aegis/round/{r}/slot/{i}")
-                if uid is None:
-                    break
-                self.slots[r] = i
-                self._seen(uid)
-                self.say(f"round {r}: {uid} joined (slot {i})")
-            record = _get(s, f"aegis/round/{r}/members")
-            if record is not None and r not in self.formed:
-                self.formed.add(r)
-                members = json.loads(record)["members"]
-                self.say(f"round {r} formed: {len(members)} member(s), in rank order {members}")
-            if not (record is not None and s.check([f"aegis/round/{r + 1}/count"])):
-                break
-            r += 1
+        while True:  # the round followed, then any formed since the last pass
+            self._join_log(r)
+            self._formed(r)
+            if r in self.formed:
+                self._death_log(r)
+            if r in self.formed and self.s.check([f"aegis/round/{r + 1}/count"]):
+                r += 1
+                continue
+            break
         self.round = r
-        if not self.done and s.check([f"aegis/round/{r}/done"]):
+        if not self.done and self.s.check([f"aegis/round/{r}/done"]):
             self.done = True
             self.say(f"round {r} done: the job finished")
-        joins = _count(s, "aegis/join/count")
+        joins = _count(self.s, "aegis/join/count")
         for i in range(self.joins + 1, joins + 1):
-            uid = _get(s, f"aegis/join/slot/{i}")
+            uid = _get(self.s, f"aegis/join/slot/{i}")
             if uid is None:
                 break
             self.joins = i
-            self._seen(uid)
             self.say(f"{uid} registered to join the running job (join slot {i})")
-        admitted = _count(s, "aegis/admitted")
+        admitted = _count(self.s, "aegis/admitted")
         if admitted > self.admitted:
-            self.say(f"join slots {self.admitted + 1}..{admitted} admitted (round {r})")
+            self.say(f"join slots {self.admitted + 1}..{admitted} admitted")
             self.admitted = admitted
-        now = time.monotonic()
-        for uid, (count, moved, silent) in list(self.beats.items()):
-            key = f"aegis/hb/{uid}"
-            c = _count(s, key)
-            if c != count:
-                if silent and count >= 0:
-                    self.say(f"{uid} is back (heartbeat moving again after {now - moved:.1f} s)")
-                self.beats[uid] = (c, now, False)
-            elif not silent and now - moved >= self.dead_after_s and not self.done:
-                self.say(f"{uid} left (no heartbeat for {now - moved:.1f} s)")
-                self.beats[uid] = (count, moved, True)
 
 
 def _log(msg: str) -> None:
@@ -189,11 +232,8 @@ def store() -> None:
               help="Serve GET /healthz (HTTP) on this port too.")
 @click.option("--poll", "poll_s", type=click.FloatRange(min=0.05), default=0.5, show_default=True,
               help="Seconds between reads of the membership keys.")
-@click.option("--dead-after", "dead_after_s", type=click.FloatRange(min=0.1), default=2.0,
-              show_default=True, help="A member whose heartbeat has not moved this long has left.")
 @click.option("--quiet", is_flag=True, help="No line per membership change.")
-def serve(host: str, port: int, health_port: int | None, poll_s: float, dead_after_s: float,
-          quiet: bool) -> int:
+def serve(host: str, port: int, health_port: int | None, poll_s: float, quiet: bool) -> int:
     """Host the store (a c10d TCPStore, libuv) until SIGTERM; one line per membership change."""
     from torch.distributed import TCPStore
 
@@ -209,10 +249,12 @@ def serve(host: str, port: int, health_port: int | None, poll_s: float, dead_aft
     probe_client = _client(host, port, 1.0)
     probe_lock = threading.Lock()
 
-    def probe() -> dict[str, Any]:
+    def probe() -> dict[str, Any]:  # the store answers a read now; the membership last read
         with probe_lock:
-            return read_state(probe_client)
+            probe_client.check(["aegis/round/0/members"])
+        return watcher.view
 
+    watcher = Watcher(watch_client, _log if not quiet else (lambda m: None))
     httpd = None
     if health_port is not None:
         handler = type("Health", (_Health,), {"probe": staticmethod(probe)})
@@ -221,7 +263,6 @@ def serve(host: str, port: int, health_port: int | None, poll_s: float, dead_aft
     _log(f"ready on {host}:{port} (c10d TCPStore, libuv)"
          + (f", health on http://{host}:{health_port}/healthz" if httpd else "")
          + f"; membership read every {poll_s:g} s")
-    watcher = Watcher(watch_client, _log if not quiet else (lambda m: None), dead_after_s=dead_after_s)
     while not stop.is_set():
         try:
             watcher.poll()
