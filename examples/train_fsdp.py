@@ -627,16 +627,12 @@ def _train(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> 
 
     mgr = None
     start = 0
-    regroup_exc: tuple[type[BaseException], ...] = ()  # in-process recovery's end of a round
     if not args.no_aegis:
         try:
             from aegis import Manager, ModelOptimizerState, replicated
         except ImportError:  # running from a checkout without the package installed
             sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
             from aegis import Manager, ModelOptimizerState, replicated
-        from aegis.training.inprocess import Regroup
-
-        regroup_exc = (Regroup,)
 
         mgr = Manager(
             args.job,
@@ -699,12 +695,10 @@ def _train(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> 
                 # digest is itself a collective that a lost peer would block).
                 write_digest(args.digest_log, "saved", step, model, optimizer, scheduler, sampler)
             t1 = time.perf_counter()
-            regroup: BaseException | None = None
             if mgr is not None:
-                try:
-                    mgr.save(step)
-                except regroup_exc as e:  # committed, then the round ends: this step counts, log it
-                    regroup = e
+                # in-process recovery: a save() may end the round at its start (processes wait
+                # to join); this step was not saved and is trained again in the next round
+                mgr.save(step)
             t2 = time.perf_counter()
             if rank == 0:
                 print(
@@ -726,8 +720,6 @@ def _train(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> 
                     log.write(json.dumps(rec) + "\n")
                     log.flush()
                     os.fsync(log.fileno())
-            if regroup is not None:
-                raise regroup
             if args.step_sleep > 0:
                 time.sleep(args.step_sleep)
         if mgr is not None:

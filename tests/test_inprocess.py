@@ -317,6 +317,9 @@ def test_a_replacement_joins_the_running_job_at_the_next_snapshot(tmp_path: Path
         assert grow["step"] == r_new["step"]  # the snapshot committed before the regroup
         steps = [e for e in evs if e["event"] == "step" and e["round"] == 1]
         assert steps, "the survivors trained while the replacement started"
+        # the code after save() ran for the step the regroup restores (issue 25: the round
+        # ended inside that save(), after its commit, and the script's line after it was lost)
+        assert steps[-1]["step"] == grow["step"], (steps[-1], grow)
     # every step from the regroup on is trained by the 3 ranks, none twice
     after = [e["step"] for e in out["n0"] if e["event"] == "step" and e["round"] == 2]
     assert after == list(range(r_new["step"] + 1, 31))

@@ -175,6 +175,7 @@ class Manager:
         # each optimizer's next step waits for those copies first
         self._hooks: list[Any] = []
         self._deferred: tuple[list[Any], Deferral] | None = None  # see _deferral
+        self._regroup: int | None = None  # joiners seen by the last save(): see save()
         if self.config.staging == "async":
             self.engine.stager.deferral = self._deferral
             for obj in self.state.values():
@@ -531,6 +532,14 @@ class Manager:
         """
         self._check_open()
         inprocess.check_round()  # a peer fenced off by an NCCL abort: no snapshot of garbage
+        if self._regroup is not None:
+            # processes wait to join (the last save's vote, the same on every rank): the round
+            # ends here, at the start of the next save(), once that snapshot is committed; so
+            # the script's code after the last save() ran, and this step is trained again
+            # after the regroup (from the committed step)
+            registered, self._regroup = self._regroup, None
+            self.engine.wait()
+            raise inprocess.Regroup(registered)
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise StepOrderError(f"save(step={step!r}): step must be a non-negative integer")
         if self._existing and not self._restore_called:
@@ -551,12 +560,14 @@ class Manager:
 
     def _joined(self, handle: SnapshotHandle | None) -> SnapshotHandle | None:
         """In-process recovery: processes wait to join (every rank saw the same count through the
-        save's all-reduce): commit this snapshot, then end the round on every rank together, so
-        that the next one includes them (and every rank reshards from this step)."""
+        save's all-reduce). The round ends on every rank together at the start of the next
+        ``save()`` (see :meth:`save`), so that the next round includes them and every rank
+        reshards from this step: never inside this call, whose caller's code after it (logging,
+        metrics, evaluation hooks) must run for this step (issue 25: a script's per-step log
+        line was lost at a join)."""
         if handle is not None and self.engine.vote is not None and inprocess.joiners_waiting(
                 self.engine.last_vote):
-            self.engine.wait()
-            raise inprocess.Regroup(self.engine.last_vote)
+            self._regroup = self.engine.last_vote
         return handle
 
     def _auto_save(self, step: int) -> SnapshotHandle | None:
