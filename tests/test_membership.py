@@ -78,6 +78,7 @@ class _Member:
     def enter(self, r: int, previous: list[str] | None, expected: int, join_slot: int = 0) -> list[str]:
         """form() then follow(), as run_in_process does."""
         self.in_round = False
+        self.hb.round_ended()
         members, admitted = self.m.form(r, previous, expected, join_slot=join_slot)
         self.members, self.member_set, self.r, self.admitted = members, set(members), r, admitted
         self.failed.clear()
@@ -391,6 +392,118 @@ def test_watching_anew_keeps_the_readings_of_a_beat_in_flight(store: dist.TCPSto
         t.join()
         hb.stop()
         peer.hb.stop()
+
+
+def test_a_starved_observer_takes_nobody_for_silent(store: dist.TCPStore) -> None:
+    """Silence is what this process saw between its reads, not wall time since its last read:
+    an observer whose heartbeat did not run for longer than dead_after_s (its host starved:
+    bench/scale.py's 4,096 members on 2 cores, where a proposer left 2,395 beating members out
+    of a round) must not take a member it has not looked at since for silent. One it looks at
+    and finds unmoved is silent, and a member that never beat is silent from its watch on."""
+    peer = _Member(store.port, "np/0/1")  # beats every 0.2 s
+    client = dist.TCPStore("127.0.0.1", store.port, is_master=False, wait_for_workers=False,
+                           timeout=timedelta(seconds=30))
+    hb = Heartbeat("no/0/1", 0.1, timedelta(seconds=30), store=client, start=False)
+    try:
+        hb.watch(["np/0/1", "never/0/1"])
+        assert hb.tick()
+        time.sleep(1.5)  # no beat of the observer: it looked at nothing
+        assert hb.silent_for("np/0/1") < 0.5
+        assert hb.tick()  # the peer moved meanwhile
+        assert hb.silent_for("np/0/1") < 0.5
+        assert hb.silent_for("never/0/1") >= 1.4  # looked twice, 1.5 s apart: no counter
+        peer.hb.stop()
+        time.sleep(0.3)
+        assert hb.tick()
+        time.sleep(1.2)
+        assert hb.tick()  # unmoved between two reads 1.2 s apart
+        assert hb.silent_for("np/0/1") >= 1.0
+    finally:
+        hb.stop()
+        peer.hb.stop()
+
+
+def test_a_watcher_declares_only_in_its_running_round_or_after_it(store: dist.TCPStore) -> None:
+    """A watcher that has followed a round but is not running it yet (still starting, while the
+    member it watches is held back by its own start: gc.collect() holding the GIL for a second
+    under load, seen in test_inprocess' replacement test) declares nobody: a declaration stays
+    for the whole round. Running the round, or once the round has ended, it declares."""
+    client = dist.TCPStore("127.0.0.1", store.port, is_master=False, wait_for_workers=False,
+                           timeout=timedelta(seconds=30))
+    running = threading.Event()
+    watcher = Heartbeat("nw/0/1", 0.1, timedelta(seconds=30), dead_after_s=0.5, store=client,
+                        fence=lambda u: 0, fenceable=lambda u: running.is_set(), start=False)
+    quiet = Heartbeat("nq/0/1", 0.1, timedelta(seconds=30), store=client, start=False)  # no beats
+    try:
+        watcher.follow(["nw/0/1", "nq/0/1"], 0)
+        for _ in range(3):
+            assert watcher.tick()
+            time.sleep(0.4)
+        assert not watcher.declarations and "nq/0/1" not in watcher.declared()
+        running.set()  # in the round now: it declares, and fences
+        assert watcher.tick()
+        assert [d[0] for d in watcher.declarations] == ["nq/0/1"]
+        assert [f[0] for f in watcher.fences] == ["nq/0/1"]
+        watcher.follow(["nw/0/1", "nq/0/1"], 1)  # the next round, not running it yet
+        running.clear()
+        for _ in range(3):
+            assert watcher.tick()
+            time.sleep(0.4)
+        assert len(watcher.declarations) == 1
+        watcher.round_ended()  # it ended: the next round's proposer needs the dead named
+        assert watcher.tick()
+        assert "nq/0/1" in watcher.declared() and len(watcher.declarations) == 2
+    finally:
+        watcher.stop()
+        quiet.stop()
+
+
+def test_a_member_whose_beats_pause_is_fenced_but_stays_in_the_next_round(
+        store: dist.TCPStore) -> None:
+    """A member's heartbeat held back for longer than dead_after_s (a GC pause) while another
+    member dies: both are declared and fenced, the round fails; the paused one joins the next
+    round, and the proposer, watching it because it is declared, keeps it once its counter
+    moves again (it used to leave every declared member out: a second's pause cost a rejoin)."""
+    uids = [f"n{i}/0/1" for i in range(5)]
+    ms = _members(store.port, uids)
+    by = {m.uid: m for m in ms}
+    try:
+        members = _first_round(ms)
+        time.sleep(0.5)
+        dead, paused = by[members[4]], by[members[1]]
+        real = paused.hb.tick
+        pause = threading.Event()
+
+        def held_back() -> bool:
+            if pause.is_set():
+                pause.clear()
+                time.sleep(DEAD_AFTER + 0.5)
+            return real()
+
+        paused.hb.tick = held_back  # type: ignore[method-assign]
+        pause.set()
+        _stop([dead])
+        live = [m for m in ms if m is not dead]
+        _wait(lambda: all(m.round_failed() for m in live if m is not paused), DEAD_AFTER + 5,
+              "the loss seen")
+        _wait(lambda: any(paused.uid in m.hb.declared() for m in live if m is not paused),
+              DEAD_AFTER + 3, "the paused member declared")  # before anyone proposes
+        # another member proposes (the first to claim the key does; a proposer never suspects
+        # itself), and the paused one has joined when it looks
+        lead = by[members[2]]
+        store.compare_set("aegis/round/1/proposer", "", lead.uid)
+        box: dict[str, list[str]] = {}
+        t = threading.Thread(target=lambda: box.setdefault("m", paused.enter(1, members, 0)))
+        t.start()
+        _wait(lambda: int(store.add("aegis/round/1/count", 0)) >= 1, 5, "the paused one joined")
+        r1 = _all(lambda m: m.enter(1, members, 0), [m for m in live if m is not paused])
+        t.join(10)
+        r1.append(box["m"])
+        declared = {d[0] for m in live for d in m.hb.declarations}
+        assert {dead.uid, paused.uid} <= declared  # both went silent for dead_after_s
+        assert all(x == [u for u in members if u != dead.uid] for x in r1), r1[0]
+    finally:
+        _stop(ms)
 
 
 def test_a_proposer_that_stops_is_replaced(store: dist.TCPStore) -> None:

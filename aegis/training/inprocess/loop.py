@@ -282,7 +282,7 @@ def run_in_process(
                 if r < 0:
                     return None
                 if previous is not None:  # know the dead of the round it joins from
-                    hb.follow(previous, r - 1)
+                    hb.follow(previous, r - 1, forming=True)
             try:
                 members, admitted = membership.form(r, previous, first, join_slot=join_slot)
             except Excluded as e:
@@ -334,6 +334,7 @@ def run_in_process(
                     cause = f"{cause} ({Round.failed})"[:500]
             finally:
                 Round.active = False
+                hb.round_ended()  # from now on its watchers declare for the next round
             # Out of the except block: the exception and its frames (holding the round's model,
             # mesh and groups) are released, so destroying the groups really closes them.
             del world
@@ -346,7 +347,7 @@ def run_in_process(
             r += 1
             if registered > admitted:  # grow: admit the processes that registered
                 previous = membership.admit(r, members, admitted, registered)
-                hb.follow(previous, r - 1)  # the joiners are watched (as just seen) too
+                hb.follow(previous, r - 1, forming=True)  # the joiners watched (as just seen) too
     finally:
         hb.stop()
         if dist.is_initialized():

@@ -190,8 +190,10 @@ class Heartbeat:
         self._targets: list[str] = []  # ring + extra, once each
         self._keys: list[str] = []  # their counters' keys
         self._log: str | None = None  # the followed round's death log
+        self._forming = False  # the followed round has ended: its log serves the next round's
         self._present: set[str] = set()  # keys known to exist (keys are never deleted)
-        self._seen: dict[str, tuple[int, float]] = {}  # uid -> (counter, when it last moved)
+        # uid -> (counter, when it last moved, when this process last looked at it)
+        self._seen: dict[str, tuple[int, float, float]] = {}
         self._declared: dict[str, float] = {}  # the log's uids, in order -> when read here
         self._fenced: set[str] = set()
         self.fences: list[tuple[str, float, int]] = []  # (uid, silent s here, connections shut)
@@ -215,26 +217,41 @@ class Heartbeat:
         before = set(self._ring) | set(self._extra)
         after = set(ring_) | set(extra)
         for u in after - before:
-            self._seen[u] = (-1, now)  # no counter reads -1: the first read moves it
+            self._seen[u] = (-1, now, now)  # no counter reads -1: the first read moves it
         for u in before - after:
             self._seen.pop(u, None)
         self._ring, self._extra = ring_, extra
         self._targets = list(dict.fromkeys(ring_ + extra))
         self._keys = [_hb(u) for u in self._targets]
 
-    def follow(self, members: list[str], r: int | None) -> None:
-        """This process is in round ``r`` of ``members`` (or forms the next round from it):
-        watch its ring successors there and read round ``r``'s death log. ``r=None``: neither
-        (a process waiting to join). Starting on another log forgets what was fenced."""
+    def follow(self, members: list[str], r: int | None, *, forming: bool = False) -> None:
+        """This process enters round ``r`` of ``members`` (``forming``: it forms the next round
+        from round ``r``, which has ended): watch its ring successors there and read round
+        ``r``'s death log. ``r=None``: neither (a process waiting to join). Starting on another
+        log forgets what was fenced.
+
+        While a round runs, a silent successor is declared only by a watcher that runs the round
+        itself (``fenceable``), as each process fenced on its own before issue 24: a watcher
+        still starting the round must not declare a member whose start held its heartbeat back
+        (``gc.collect()`` holding the GIL for a second under load), for a declaration stays for
+        the whole round. Once the round has ended (:meth:`round_ended`, or ``forming``), every
+        watcher declares: the next round's proposer waits for the dead to be named."""
         ring_ = successors(members, self.uid, self.watchers) if members and r is not None else []
         with self._lock:
             self._rewatch(ring_, [])
             self._epoch += 1
+            self._forming = forming
             log = None if r is None else _rk(r, "dead")
             if log != self._log:
                 self._log = log
                 self._declared = {}
                 self._fenced = set()
+
+    def round_ended(self) -> None:
+        """The followed round has ended (failed, or regrouping): its log now serves the next
+        round's formation, and every watcher declares its silent successors."""
+        with self._lock:
+            self._forming = True
 
     def watch(self, uids: list[str]) -> None:
         """Also watch ``uids`` from now on (instead of the ones given before), for this
@@ -249,10 +266,23 @@ class Heartbeat:
             return list(dict.fromkeys(self._ring + self._extra))
 
     def silent_for(self, uid: str) -> float:
-        """Seconds since ``uid``'s counter last moved (as seen here); 0 if not watched."""
+        """For how long ``uid``'s counter had not moved when this process last looked at it; 0
+        if not watched. Not the time since it last moved: an observer that has not looked for a
+        while (its thread starved, its store reads failing) must not take a member for silent
+        because of its own absence (a proposer starved on a loaded machine left 2,395 beating
+        members out of a round that way)."""
         with self._lock:
             seen = self._seen.get(uid)
-        return 0.0 if seen is None else time.monotonic() - seen[1]
+        return 0.0 if seen is None else max(0.0, seen[2] - seen[1])
+
+    def count(self, uid: str) -> tuple[int | None, float]:
+        """``uid``'s counter as this process last read it (None: not watched, or no counter
+        read yet) and when it last looked (``time.monotonic()``; -inf if not watched)."""
+        with self._lock:
+            seen = self._seen.get(uid)
+        if seen is None:
+            return None, float("-inf")
+        return (None if seen[0] < 0 else seen[0]), seen[2]
 
     def declared(self, store: Any = None) -> set[str]:
         """Members the followed round's death log names (read at the last beat, or declared
@@ -299,8 +329,12 @@ class Heartbeat:
         with self._lock:
             for u, v in zip(read, values, strict=False):
                 last = self._seen.get(u)
-                if last is not None and last[0] != int(v):  # (None: no longer watched)
-                    self._seen[u] = (int(v), now)
+                if last is not None:  # (None: no longer watched)
+                    self._seen[u] = (int(v), now, now) if last[0] != int(v) else (*last[:2], now)
+            for u in targets:  # looked at, found no counter: that is a look too
+                last = self._seen.get(u)
+                if last is not None and last[2] < now and last[0] == -1:
+                    self._seen[u] = (-1, last[1], now)
             if epoch != self._epoch:
                 return True  # another round followed meanwhile: this log is not its log
             if log is not None:
@@ -308,9 +342,12 @@ class Heartbeat:
                     if line and line not in self._declared:
                         self._declared[line] = now
             dead_after = self.dead_after_s
+            forming = self._forming
             silent = [] if dead_after is None or log is None else [
-                (u, now - self._seen[u][1]) for u in ring_
-                if u not in self._declared and u in self._seen and now - self._seen[u][1] >= dead_after]
+                (u, now - self._seen[u][1]) for u in ring_ if u not in self._declared
+                and u in self._seen and now - self._seen[u][1] >= dead_after]
+        if not forming and self._fenceable is not None:
+            silent = [(u, s) for u, s in silent if self._fenceable(u)]
         for u, s in silent:
             assert log is not None
             try:
@@ -432,7 +469,7 @@ class Membership:
         joined: dict[str, int] = {}
         missing: list[str] = list(previous or [])
         started = time.monotonic()
-        watching = False
+        base: dict[str, tuple[int | None, float]] = {}  # suspects (below) -> (counter, when)
         while True:
             if self.store.check([key]):
                 return  # another process took over while this one was away (frozen)
@@ -446,24 +483,36 @@ class Membership:
                 last_n, last_read = n, now
                 if previous is not None:
                     missing = [u for u in previous if u not in joined]
-                    watching = False
-            if previous is not None and not watching and now - started >= self.hb.interval_s:
-                # the previous members still missing an interval in (the live ones join at
-                # once): their counters ride on this process's heartbeat multi_get, so that a
-                # dead one that no ring successor declares is judged here
-                self.hb.watch(missing)
-                watching = True
             if previous is None:
-                ready = len(joined) >= needed
+                if len(joined) >= needed:
+                    self._write(r, previous, joined)
+                    return
             else:
-                ready = sum(1 for u in joined if u == self.uid or u not in declared) >= \
-                    self.min_world and not any(self._alive(u, declared) for u in missing)
-            if ready:
-                # a member that joined and was then declared dead (lost while the round formed)
-                # is left out: its groups would never come up
-                self._write(r, previous, {u: j for u, j in joined.items()
-                                          if u == self.uid or u not in declared})
-                return
+                # joined but declared (it stopped after joining, or its beats were held back
+                # for dead_after_s: a GC pause under load): left out only if this process,
+                # watching it from then on, sees its counter still for dead_after_s more;
+                # kept once it moves
+                suspects = [u for u in joined if u != self.uid and u in declared]
+                for u in suspects:
+                    if base.get(u, (None, 0.0))[0] is None:  # its counter when suspected
+                        base[u] = (self.hb.count(u)[0], now)
+                alive, dead = set(), set()
+                for u in suspects:
+                    count, looked = self.hb.count(u)
+                    if count is not None and base[u][0] is not None and count != base[u][0]:
+                        alive.add(u)
+                    elif looked - base[u][1] >= self.dead_after_s:
+                        dead.add(u)
+                undecided = [u for u in suspects if u not in alive and u not in dead]
+                # the previous members still missing an interval in (the live ones join at
+                # once) ride on this process's heartbeat multi_get too, so that a dead one that
+                # no ring successor declares is judged here
+                late = missing if now - started >= self.hb.interval_s else []
+                self.hb.watch(late + suspects)
+                if (len(joined) - len(dead) >= self.min_world and not undecided
+                        and not any(self._alive(u, declared) for u in missing)):
+                    self._write(r, previous, {u: j for u, j in joined.items() if u not in dead})
+                    return
             if now > deadline:
                 waiting = [u for u in missing if self._alive(u, declared)]
                 raise RecoveryGaveUp(
