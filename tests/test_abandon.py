@@ -168,3 +168,28 @@ def test_nccl_environment_checked_before_the_first_round(monkeypatch: pytest.Mon
     monkeypatch.setenv("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", "5")
     with pytest.raises(ConfigError, match="at least 30 s"):
         check_nccl_env("nccl", long, 1.0)
+
+
+def test_a_teardown_aborts_only_the_managers_of_the_round_that_ended() -> None:
+    """A Manager of an earlier round that something still holds (its uploader stuck on an object
+    store that hangs) was aborted again at every later teardown, each time waiting for its
+    thread: teardown grew round after round (issue 25). Each Manager is aborted by the teardown
+    of its own round only."""
+    from aegis.training.inprocess import abandon
+    from aegis.training.inprocess.loop import teardown
+    from aegis.training.inprocess.round import register_manager
+
+    class Held:
+        def __init__(self) -> None:
+            self.calls: list[bool] = []
+
+        def abort(self, *, begin: bool = True) -> None:
+            self.calls.append(begin)
+
+    round0, round1 = Held(), Held()
+    register_manager(round0)
+    teardown(abandon.GlooAbandon(), [])
+    register_manager(round1)
+    teardown(abandon.GlooAbandon(), [])  # round0 is still alive (held here), not aborted again
+    assert round0.calls == [True, False]
+    assert round1.calls == [True, False]

@@ -118,6 +118,7 @@ class S3Store(ObjectStore):
         self.capabilities = Capabilities()
         self._notes: list[str] = []
         self._lock = threading.Lock()
+        self._closed = False
         config = Config(
             retries={"total_max_attempts": 1, "mode": "standard"},  # tenacity retries instead
             connect_timeout=connect_timeout_s,
@@ -170,8 +171,14 @@ class S3Store(ObjectStore):
             return fn(**kwargs)
 
         where = self._where(str(kwargs.get("Key", "")))
+
+        def retryable(e: BaseException) -> bool:
+            # a closed store (a Manager aborted by in-process recovery) stops retrying at once:
+            # its uploader thread must not spend the policy's 300 s on a dead endpoint
+            return not self._closed and is_retryable(e)
+
         try:
-            return self.retry.call(once, retryable=is_retryable, on_retry=self._on_retry)
+            return self.retry.call(once, retryable=retryable, on_retry=self._on_retry)
         except bexc.NoCredentialsError as e:
             raise ConfigError(
                 f"{self.url}: no AWS credentials found; set AWS_ACCESS_KEY_ID and "
@@ -472,4 +479,5 @@ class S3Store(ObjectStore):
         return self.capabilities
 
     def close(self) -> None:
+        self._closed = True
         self._pool.shutdown(wait=False)

@@ -39,8 +39,8 @@ from aegis.training.inprocess.round import (
     World,
     in_round,
     is_peer_failure,
-    live_managers,
     set_in_process_round,
+    take_managers,
 )
 
 __all__ = ["run_in_process", "teardown", "check_nccl_env", "cuda_health"]
@@ -102,7 +102,7 @@ def teardown(ab: _abandon.Abandon, members: list[str]) -> None:
     """After a round ended: abort its Managers (no collectives), leave its groups so that no
     peer stays blocked on this process, destroy every group, release what the round held (its
     DTensor caches, its CUDA blocks), and check that the CUDA context still works."""
-    managers = live_managers()
+    managers = take_managers()  # this round's only: never one of an earlier round again
     for m in managers:
         with contextlib.suppress(Exception):
             m.abort(begin=True)

@@ -24,6 +24,7 @@ __all__ = [
     "Round",
     "register_manager",
     "live_managers",
+    "take_managers",
     "in_process_round",
     "in_round",
     "joiners_registered",
@@ -94,6 +95,16 @@ def register_manager(mgr: Any) -> None:
 
 def live_managers() -> list[Any]:
     return list(_live)
+
+
+def take_managers() -> list[Any]:
+    """The Managers of the round that just ended, forgotten here. A Manager of an earlier round
+    that something still holds (its uploader thread stuck in a request to an object store that
+    hangs keeps it alive) used to stay in this set and be aborted again at every later teardown,
+    each time waiting for that thread: teardown grew round after round (issue 25)."""
+    out = list(_live)
+    _live.clear()
+    return out
 
 
 def in_process_round() -> bool:
