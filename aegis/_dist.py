@@ -48,15 +48,24 @@ def node_id() -> str:
     return os.environ.get("AEGIS_NODE_ID") or socket.gethostname()
 
 
-def new_snapshot_group(timeout: timedelta) -> dist.ProcessGroup | None:
+def new_snapshot_group(timeout: timedelta, create_timeout: timedelta | None = None
+                       ) -> dist.ProcessGroup | None:
     """A dedicated gloo group for snapshot traffic. Collective: every rank calls it once.
 
     Snapshot traffic never shares the training group: DCP on the default group was measured to
-    corrupt concurrent training collectives.
+    corrupt concurrent training collectives. ``create_timeout`` (in-process recovery): the group's
+    rendezvous waits at most that long for every rank's address (a rank lost meanwhile), then its
+    collectives get ``timeout``.
     """
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    return dist.new_group(backend="gloo", timeout=timeout)
+    if create_timeout is None or create_timeout >= timeout:
+        return dist.new_group(backend="gloo", timeout=timeout)
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    pg = dist.new_group(backend="gloo", timeout=create_timeout)
+    _set_pg_timeout(timeout, pg)
+    return pg
 
 
 def _is_timeout(e: BaseException) -> bool:

@@ -6,7 +6,8 @@ environment of the training processes. Phases: ``stage`` (halfway through the bl
 the shard is pushed to its peers), ``encode`` (before the XOR parity segments are exchanged),
 ``commit`` (on a node leader, right before its manifest is
 written), ``deferred`` (``staging="async"``: on the background worker, before the deferred
-copies are issued), ``restore`` (after the restore decision, before any shard is fetched or loaded), ``upload`` (on
+copies are issued), ``group`` (in-process recovery: right before a round's process groups are
+created; the "step" is the round), ``restore`` (after the restore decision, before any shard is fetched or loaded), ``upload`` (on
 rank 0, after every chunk of a durable step is uploaded, before its manifest is put).
 
 ``AEGIS_FAIL_MODE``: ``kill`` (default: SIGKILL this process), ``pause`` (write a marker file
@@ -26,7 +27,8 @@ import time
 
 __all__ = ["PHASES", "fail_at", "hit"]
 
-PHASES = ("stage", "complete", "replicate", "encode", "commit", "restore", "upload", "deferred")
+PHASES = ("stage", "complete", "replicate", "encode", "commit", "restore", "upload", "deferred",
+          "group")
 
 
 def _parse(spec: str) -> list[tuple[int, int | None, str]]:

@@ -133,14 +133,18 @@ class Manager:
         self._newest_durable = 0
         self.node = node_id()
         self.durable_store = open_store(self.config.durable) if self.config.durable else None
-        self.group = Group(new_snapshot_group(self.config.timeout))
+        # in an in-process round, a rank lost while these groups are made ends their creation at
+        # run_in_process' create_timeout, not at this Manager's timeout
+        create = inprocess.Round.create_timeout if inprocess.in_process_round() else None
+        self.group = Group(new_snapshot_group(self.config.timeout, create))
         if self.durable_store is not None:
             # Checked before anything else, on every rank together: a missing bucket or missing
             # credentials must fail now, not at the first upload an hour into training.
             self.group.run_all("durable store check", self._check_durable)
         # Shard transfers get a group of their own, so a long transfer never sits between the
         # small commit collectives.
-        self.transport = GlooTransport(new_snapshot_group(self.config.timeout), self.config.timeout)
+        self.transport = GlooTransport(new_snapshot_group(self.config.timeout, create),
+                                       self.config.timeout)
         self.rank = self.group.rank
         self.world = self.group.world
         self.store = NodeStore(self.config.store_root, self.config.job)
@@ -195,7 +199,7 @@ class Manager:
             self.uploader = Uploader(
                 self.durable_store,
                 self.store,
-                Group(new_snapshot_group(max(self.config.timeout, timedelta(minutes=30)))),
+                Group(new_snapshot_group(max(self.config.timeout, timedelta(minutes=30)), create)),
                 codec=Codec(self.config.durable_codec, self.config.durable_level),
                 keep_last=self.config.durable_keep_last,
                 keep_every=self.config.durable_keep_every,
@@ -556,7 +560,9 @@ class Manager:
         assert isinstance(self.config.every, int)
         if step % self.config.every:
             return None
-        return self._joined(self.engine.save(step, self._state_dict))
+        handle = self.engine.save(step, self._state_dict)
+        inprocess.Round.saves += 1
+        return self._joined(handle)
 
     def _joined(self, handle: SnapshotHandle | None) -> SnapshotHandle | None:
         """In-process recovery: processes wait to join (every rank saw the same count through the
@@ -588,6 +594,7 @@ class Manager:
             return self._state_dict()
 
         handle = self.engine.save(step, state_dict)
+        inprocess.Round.saves += 1
         self._last_snap_step = step
         self._auto_ref = (time.perf_counter(), step)
         return self._joined(handle)

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from aegis import _fault
 from aegis._dist import node_id
 from aegis.errors import ConfigError
 from aegis.training.inprocess import abandon as _abandon
@@ -156,6 +157,11 @@ def check_nccl_env(backend: str, collective_timeout: timedelta, dead_after_s: fl
     return said
 
 
+def _store_timeout(e: BaseException) -> bool:
+    """A store wait that ran out (a c10d ``DistStoreError``: the key of a member that is gone)."""
+    return type(e).__name__ in ("DistStoreError", "DistNetworkError") or "timeout" in str(e).lower()
+
+
 def _run_round(train: Callable[[World], Any], world: World) -> Any:
     """``train(world)`` in a thread of its own, one per round. A DeviceMesh compares equal to an
     earlier round's mesh of the same shape unless it was made in another thread (equality looks
@@ -224,6 +230,8 @@ def run_in_process(
     dead_after_s: float = 1.0,
     collective_timeout: timedelta = timedelta(seconds=30),
     form_timeout: timedelta = timedelta(minutes=2),
+    create_timeout: timedelta = timedelta(seconds=10),
+    max_empty_rounds: int = 10,
     backend: str = "gloo",
     on_round: Callable[[World], None] | None = None,
 ) -> Any:
@@ -240,7 +248,12 @@ def run_in_process(
     ring interleaved by node) and reads one death log: its store load does not grow with the
     world (:mod:`.membership`). ``backend``: ``"gloo"`` (CPU, or CUDA tensors over
     gloo), ``"nccl"`` or ``"cpu:gloo,cuda:nccl"`` (see :func:`check_nccl_env` for the NCCL
-    environment it checks).
+    environment it checks). ``create_timeout``: the bound on creating a round's process groups
+    (their rendezvous waits, through the store, for every member's address: a member lost
+    meanwhile would hold the others for ``form_timeout`` otherwise); the round then fails like
+    any other and the next one forms. ``max_empty_rounds``: rounds in a row that end before the
+    training function saved anything (each is counted and logged with its cause in the
+    ``recovery`` event) before this process gives up and restarts.
     """
     if min_world < 1 or dead_after_s <= heartbeat_s:
         raise ConfigError(f"run_in_process(min_world={min_world}, heartbeat_s={heartbeat_s}, "
@@ -256,6 +269,9 @@ def run_in_process(
     local = os.environ.get("LOCAL_RANK", "0")
     uid = f"{node}/{local}/{os.getpid()}"
     store = store_from_env(form_timeout)
+    # the rendezvous of each round's groups goes through a client of its own whose waits end at
+    # create_timeout (a member lost while the groups are created, issue 25)
+    pg_store = store_from_env(create_timeout)
     hb = Heartbeat(uid, heartbeat_s, form_timeout, dead_after_s=dead_after_s, fence=ab.fence,
                    fenceable=lambda u: in_round() and u in Round.members)
     membership = Membership(store, uid, hb, dead_after_s=dead_after_s,
@@ -270,6 +286,7 @@ def run_in_process(
     extra: dict[str, Any] = {}
     failed_at: float | None = None
     cause: str | None = None
+    empty = 0  # rounds in a row that ended before train() saved anything
     join = store.check(["aegis/round/0/members"])  # the job runs already: join it
     clean = False  # the last round returned: its groups are healthy, destroy them plainly
     try:
@@ -300,8 +317,28 @@ def run_in_process(
             Round.failed = None
             Round.abandon = ab
             ab.begin(store, r, uid)
-            dist.init_process_group(backend, store=dist.PrefixStore(f"aegis/round/{r}/pg", store),
-                                    rank=rank, world_size=len(members), timeout=collective_timeout)
+            _fault.hit("group", r, rank)
+            try:
+                # created with create_timeout (the rendezvous waits for every member's address
+                # under the group's timeout), then given collective_timeout for its collectives
+                dist.init_process_group(
+                    backend, store=dist.PrefixStore(f"aegis/round/{r}/pg", pg_store), rank=rank,
+                    world_size=len(members), timeout=min(create_timeout, collective_timeout))
+                from torch.distributed.distributed_c10d import _set_pg_timeout
+
+                _set_pg_timeout(collective_timeout)
+            except Exception as e:  # noqa: BLE001 - a member lost while the groups were created
+                if restarts >= max_restarts or not (is_peer_failure(e) or _store_timeout(e)):
+                    raise
+                failed_at, cause = time.time(), f"creating round {r}'s groups: {type(e).__name__}: {e}"[:500]
+                hb.round_ended()
+                td = time.perf_counter()
+                teardown(ab, members)
+                timings = {"teardown_s": time.perf_counter() - td}
+                previous, restarts, r = members, restarts + 1, r + 1
+                continue
+            Round.saves = 0
+            Round.create_timeout = create_timeout
             t2 = time.perf_counter()
             if restarts:
                 timings.update(agree_s=t1 - t0, regroup_s=t2 - t1)
@@ -341,7 +378,14 @@ def run_in_process(
             td = time.perf_counter()
             teardown(ab, members)
             timings = {"teardown_s": time.perf_counter() - td}
-            extra = {"backend": backend, **cuda_memory()}
+            # a round that ended before train() saved anything: counted, logged with its cause
+            # (the recovery event's empty_rounds), and bounded
+            empty = empty + 1 if Round.saves == 0 else 0
+            extra = {"backend": backend, "empty_rounds": empty, **cuda_memory()}
+            if empty > max_empty_rounds:
+                raise RecoveryGaveUp(
+                    f"{empty} rounds in a row ended before the training function saved anything "
+                    f"(the last: {cause}); restarting the process")
             previous = members
             restarts += 1
             r += 1
@@ -350,6 +394,8 @@ def run_in_process(
                 hb.follow(previous, r - 1, forming=True)  # the joiners watched (as just seen) too
     finally:
         hb.stop()
+        with contextlib.suppress(Exception):
+            del pg_store
         if dist.is_initialized():
             with contextlib.suppress(Exception):
                 if not clean:  # leaving on an error: never flush a broken communicator

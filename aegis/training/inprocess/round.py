@@ -81,6 +81,8 @@ class Round:
     thread: threading.Thread | None = None  # the thread train() runs in
     abandon: Any = None  # the round's Abandon (backend seam), for publish()
     failed: str | None = None  # set when a member was fenced off: why the round must end
+    saves: int = 0  # Manager.save() calls that snapshotted in this round (empty rounds)
+    create_timeout: Any = None  # run_in_process' bound on creating a round's groups
 
 
 # -- Managers of the current round: aborted (no collectives) when the round fails -------------
