@@ -691,16 +691,21 @@ def scale_costs(doc: Mapping[str, Any], ranks: int) -> dict[str, dict[str, float
     """Each of :data:`SCALE_COSTS` that ``doc`` (``bench/results/scale.json``) measured, fitted
     log-log and evaluated at ``ranks``: ``{name: {value, exponent, measured_to}}``. Points the
     benchmark marked as limited by its machine are left out; a cost with fewer than two usable
-    points is absent."""
+    points is absent, and so is one whose series the benchmark marked not to project (times
+    measured with more ranks than the machine has cores grow with the ranks sharing them:
+    ``"project": false``)."""
     out: dict[str, dict[str, float]] = {}
     series = [s for sec in doc.get("sections", {}).values() for s in sec.get("series", [])]
     for name, (panel, label) in SCALE_COSTS.items():
         s = next((s for s in series if s.get("panel") == panel and s.get("label") == label), None)
-        if s is None:
+        if s is None or s.get("project") is False:
             continue
         limited = s.get("limited") or [False] * len(s["x"])
         pts = [(x, y) for x, y, lim in zip(s["x"], s["y"], limited, strict=True)
                if y is not None and not lim]
+        # the larger half of the sizes (at least 3 points), as bench/scale.py's projection: the
+        # smallest worlds' times are a heartbeat's phase, near zero, and would set the slope
+        pts = sorted(pts)[max(0, min(len(pts) - 3, len(pts) // 2)):]
         ab = fit_loglog([p[0] for p in pts], [p[1] for p in pts])
         if ab is None:
             continue

@@ -15,6 +15,13 @@ sections the file holds):
                 SIGSTOPped node, the time until every survivor has the next round's member list,
                 and the requests each member spent to form it. The protocol before issue 24
                 (read from git, ``--baseline-rev``) runs the steady state too, at small sizes.
+``metadata``    per-step snapshot metadata with real gloo ranks (``bench/_scale_snapshot.py``),
+                2 -> 32 ranks, 8 per simulated node, a model of many small tensors: bytes each
+                node writes per step and once per plan, bytes the commit gathers and broadcasts,
+                commit and planning time; format 4 beside the whole manifest of before.
+``restore``     restore traffic after a world change: one rank per node, a node lost, the
+                survivors reshard; per rank the bytes fetched from other nodes over the bytes
+                its load read of them, 4 -> 32 ranks.
 
 Adding a section: a function ``section_<name>(args) -> dict`` with the keys of
 :func:`section_membership`'s result (``series`` drive the plot and the projection, ``table`` and
@@ -22,6 +29,7 @@ Adding a section: a function ``section_<name>(args) -> dict`` with the keys of
 
     .venv/bin/python bench/scale.py --sections membership            # sizes 8 ... 4096
     .venv/bin/python bench/scale.py --sections membership --sizes 8,64,512
+    .venv/bin/python bench/scale.py --sections metadata,restore
     .venv/bin/python bench/scale.py --render                         # plot + README only
 """
 
@@ -49,6 +57,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import ForeignCpu, md_table, plt, python, text_table  # noqa: E402
 from _machine import ROOT, describe, load1, machine  # noqa: E402
+from _scale_snapshot import (  # noqa: E402
+    rebuild_metadata,
+    rebuild_restore,
+    section_metadata,
+    section_restore,
+)
 
 OUT = ROOT / "bench" / "results" / "scale.json"
 README = ROOT / "README.md"
@@ -797,6 +811,8 @@ def _print_run(r: dict[str, Any]) -> None:
 
 SECTIONS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "membership": section_membership,
+    "metadata": section_metadata,
+    "restore": section_restore,
 }
 
 
@@ -813,6 +829,8 @@ def _rebuild_membership(sec: dict[str, Any]) -> dict[str, Any]:
 # sections whose derived parts (series, table, notes) can be rebuilt from their stored runs
 REBUILD: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "membership": _rebuild_membership,
+    "metadata": rebuild_metadata,
+    "restore": rebuild_restore,
 }
 
 
@@ -1008,6 +1026,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--drivers", type=int, default=2,
                    help="threads per host process that beat its members in turn (0: each "
                         "member's own heartbeat thread, as in a job)")
+    p.add_argument("--meta-worlds", default="2,4,8,16,32",
+                   help="metadata: world sizes (8 ranks per simulated node)")
+    p.add_argument("--meta-layers", type=int, default=64,
+                   help="metadata: Linear layers of the many-small-tensors model")
+    p.add_argument("--restore-worlds", default="4,8,16,32",
+                   help="restore: world sizes before the loss (one rank per node)")
+    p.add_argument("--restore-mb", type=float, default=32.0,
+                   help="restore: state size (MB, model + AdamW moments)")
     args = p.parse_args(argv)
     doc: dict[str, Any] = json.loads(args.out.read_text()) if args.out.exists() else {}
     doc.setdefault("bench", "scale")
@@ -1043,7 +1069,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             os.replace(tmp, args.out)
             print(f"wrote {args.out}")
     doc["projections"] = projections(doc)
-    if not args.render:
+    if not args.render or args.rebuild:
         args.out.write_text(json.dumps(doc, indent=1, default=str) + "\n")
     render(doc, args.out)
     for pr in doc["projections"]:

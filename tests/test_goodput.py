@@ -569,6 +569,10 @@ def test_plan_adds_the_costs_that_grow_with_the_job_from_scale_results(tmp_path:
     }}
     got = scale_costs(doc, 1024)
     assert got["commit_s"]["value"] == pytest.approx(0.02)
+    # a series the benchmark marked not to project (oversubscribed times) adds nothing
+    unprojected = json.loads(json.dumps(doc))
+    unprojected["sections"]["metadata"]["series"][0]["project"] = False
+    assert "commit_s" not in scale_costs(unprojected, 1024)
     assert got["detect_s"]["value"] == pytest.approx(1.2)  # the limited point is not fitted
     assert got["agree_s"]["value"] == pytest.approx(0.1 * (1024 / 8) ** 0.5)
     assert got["agree_s"]["exponent"] == pytest.approx(0.5)
