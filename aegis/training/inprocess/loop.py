@@ -31,6 +31,7 @@ from aegis.training.inprocess.membership import (
     Excluded,
     Heartbeat,
     Membership,
+    store_address,
     store_from_env,
 )
 from aegis.training.inprocess.round import (
@@ -43,6 +44,9 @@ from aegis.training.inprocess.round import (
     set_in_process_round,
     take_managers,
 )
+from aegis.training.inprocess.storeclient import BASE_ROUND, StoreClient, StoreRestarted, reseed
+
+JOIN_COUNT = "aegis/join/count"  # registrations to join (membership._register)
 
 __all__ = ["run_in_process", "teardown", "check_nccl_env", "cuda_health"]
 
@@ -162,6 +166,31 @@ def _store_timeout(e: BaseException) -> bool:
     return type(e).__name__ in ("DistStoreError", "DistNetworkError") or "timeout" in str(e).lower()
 
 
+def _connect_within(timeout: timedelta) -> Any:
+    """A plain client of the membership store (a round's groups rendezvous through it), its
+    connect bounded: a connect to a store that stopped answering hangs past its own timeout
+    (the server accepts, then never validates)."""
+    box: list[tuple[bool, Any]] = []
+
+    def connect() -> None:
+        try:
+            box.append((True, store_from_env(timeout)))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box.append((False, e))
+
+    # a daemon thread: one blocked for good must not keep the process from exiting
+    t = threading.Thread(target=connect, name="aegis-pg-store", daemon=True)
+    t.start()
+    t.join(timeout.total_seconds() + 5.0)
+    if not box:
+        raise TimeoutError(f"connecting to the membership store: no reply within "
+                           f"{timeout.total_seconds() + 5.0:.0f} s (timeout)")
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
+
+
 def _run_round(train: Callable[[World], Any], world: World) -> Any:
     """``train(world)`` in a thread of its own, one per round. A DeviceMesh compares equal to an
     earlier round's mesh of the same shape unless it was made in another thread (equality looks
@@ -232,6 +261,7 @@ def run_in_process(
     form_timeout: timedelta = timedelta(minutes=2),
     create_timeout: timedelta = timedelta(seconds=10),
     max_empty_rounds: int = 10,
+    store_outage: timedelta = timedelta(seconds=60),
     backend: str = "gloo",
     on_round: Callable[[World], None] | None = None,
 ) -> Any:
@@ -253,7 +283,11 @@ def run_in_process(
     meanwhile would hold the others for ``form_timeout`` otherwise); the round then fails like
     any other and the next one forms. ``max_empty_rounds``: rounds in a row that end before the
     training function saved anything (each is counted and logged with its cause in the
-    ``recovery`` event) before this process gives up and restarts.
+    ``recovery`` event) before this process gives up and restarts. ``store_outage``: how long
+    a membership step (forming a round, joining, admitting) keeps reconnecting to a membership
+    store it cannot reach before this process gives up and restarts (its launcher restarts it;
+    it restores from its node store); training itself goes on while the store is away, and a
+    store restarted empty is re-seeded by the members (:mod:`.storeclient`).
     """
     if min_world < 1 or dead_after_s <= heartbeat_s:
         raise ConfigError(f"run_in_process(min_world={min_world}, heartbeat_s={heartbeat_s}, "
@@ -268,12 +302,24 @@ def run_in_process(
     node = node_id()
     local = os.environ.get("LOCAL_RANK", "0")
     uid = f"{node}/{local}/{os.getpid()}"
-    store = store_from_env(form_timeout)
+    store_address()  # a ConfigError now if the variable is missing or malformed
+    # membership (issue 25): clients that reconnect after a broken connection and bound every
+    # request; membership steps retry for store_outage, the heartbeat once per beat
+    store = StoreClient(store_from_env, timeout_s=form_timeout.total_seconds(),
+                        outage_s=store_outage.total_seconds())
+    store.seal()
+    hb_timeout = timedelta(seconds=max(5.0, 2 * dead_after_s))
+    hb_store = StoreClient(store_from_env, timeout_s=hb_timeout.total_seconds(),
+                           outage_s=None, name="membership store (heartbeat)")
+    hb_store.seal()
     # the rendezvous of each round's groups goes through a client of its own whose waits end at
-    # create_timeout (a member lost while the groups are created, issue 25)
-    pg_store = store_from_env(create_timeout)
+    # create_timeout (a member lost while the groups are created, issue 25), made per round
+    pg_store: Any = None
     hb = Heartbeat(uid, heartbeat_s, form_timeout, dead_after_s=dead_after_s, fence=ab.fence,
-                   fenceable=lambda u: in_round() and u in Round.members)
+                   fenceable=lambda u: in_round() and u in Round.members, store=hb_store,
+                   on_restart=lambda st: reseed(st, Round.r, list(Round.members), Round.admitted,
+                                                uid), also=(JOIN_COUNT,))
+    Round.joiners = lambda: hb.readings.get(JOIN_COUNT, 0)
     membership = Membership(store, uid, hb, dead_after_s=dead_after_s,
                             form_timeout_s=form_timeout.total_seconds(), min_world=min_world)
     first = int(os.environ.get("WORLD_SIZE", "1"))
@@ -287,14 +333,19 @@ def run_in_process(
     failed_at: float | None = None
     cause: str | None = None
     empty = 0  # rounds in a row that ended before train() saved anything
-    join = store.check(["aegis/round/0/members"])  # the job runs already: join it
+    # the job runs already (or ran, on a store re-seeded after a restart): join it
+    join = store.check(["aegis/round/0/members"]) or store.check([BASE_ROUND])
     clean = False  # the last round returned: its groups are healthy, destroy them plainly
     try:
         while True:
             t0 = time.perf_counter()
             if join:
-                r, previous, join_slot = membership.join(timeout_s=form_timeout.total_seconds(),
-                                                         misses=misses)
+                try:
+                    r, previous, join_slot = membership.join(
+                        timeout_s=form_timeout.total_seconds(), misses=misses)
+                except StoreRestarted as e:  # its registration is gone with the store's keys
+                    cause = str(e)
+                    continue
                 join = False
                 if r < 0:
                     return None
@@ -307,18 +358,28 @@ def run_in_process(
                 misses += 1
                 cause = str(e)
                 continue
+            except StoreRestarted as e:
+                # the store lost the round's keys while it formed: every process that was
+                # forming it finds that out at its next request and forms it again from the
+                # start; one already in the round wrote its member list back (reseed)
+                cause = str(e)
+                continue
             misses = 0
             join_slot = 0
             t1 = time.perf_counter()
             rank = members.index(uid)
             hb.follow(members, r)
-            Round.store, Round.r, Round.uid, Round.members = store, r, uid, members
+            # what runs beside training (the joiners vote in save(), fencing from the heartbeat
+            # thread, publishing and reading ports) tries each request once: it never waits
+            # out an outage of the store
+            Round.store, Round.r, Round.uid, Round.members = store.quick, r, uid, members
             Round.admitted = admitted
             Round.failed = None
             Round.abandon = ab
-            ab.begin(store, r, uid)
+            ab.begin(store.quick, r, uid)
             _fault.hit("group", r, rank)
             try:
+                pg_store = _connect_within(create_timeout)
                 # created with create_timeout (the rendezvous waits for every member's address
                 # under the group's timeout), then given collective_timeout for its collectives
                 dist.init_process_group(
@@ -390,10 +451,16 @@ def run_in_process(
             restarts += 1
             r += 1
             if registered > admitted:  # grow: admit the processes that registered
-                previous = membership.admit(r, members, admitted, registered)
+                try:
+                    previous = membership.admit(r, members, admitted, registered)
+                except StoreRestarted:  # their registrations went with the store's keys
+                    previous = members
                 hb.follow(previous, r - 1, forming=True)  # the joiners watched (as just seen) too
     finally:
         hb.stop()
+        Round.joiners = None
+        store.close()
+        hb_store.close()
         with contextlib.suppress(Exception):
             del pg_store
         if dist.is_initialized():

@@ -47,14 +47,23 @@ import torch.distributed as dist
 
 from aegis.errors import ConfigError
 from aegis.training.inprocess.round import RecoveryGaveUp
+from aegis.training.inprocess.storeclient import BASE_ROUND, StoreRestarted
 
 __all__ = ["ENV_STORE", "store_from_env", "Heartbeat", "Membership", "Excluded", "latest_round",
            "backoff_s", "backoff", "ring", "successors", "CountingStore", "REQUESTS"]
 
 ENV_STORE = "AEGIS_MEMBERSHIP"
+# after the store was away, how much longer than dead_after_s a watched member has to beat again
+BLIND_GRACE_S = 2.0
 
 
 def store_from_env(timeout: timedelta) -> dist.TCPStore:
+    host, port = store_address()
+    return dist.TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
+
+
+def store_address() -> tuple[str, int]:
+    """``AEGIS_MEMBERSHIP``'s host and port, or a ConfigError that says what to set."""
     addr = os.environ.get(ENV_STORE)
     if not addr or ":" not in addr:
         raise ConfigError(
@@ -63,7 +72,7 @@ def store_from_env(timeout: timedelta) -> dist.TCPStore:
             "membership through it"
         )
     host, port = addr.rsplit(":", 1)
-    return dist.TCPStore(host, int(port), is_master=False, timeout=timeout, wait_for_workers=False)
+    return host, int(port)
 
 
 def _hb(uid: str) -> str:
@@ -170,7 +179,9 @@ class Heartbeat:
                  dead_after_s: float | None = None,
                  fence: Callable[[str], int] | None = None,
                  fenceable: Callable[[str], bool] | None = None,
-                 watchers: int = 2, store: Any = None, start: bool = True) -> None:
+                 watchers: int = 2, store: Any = None, start: bool = True,
+                 on_restart: Callable[[Any], None] | None = None,
+                 also: tuple[str, ...] = ()) -> None:
         self.uid = uid
         self.key = _hb(uid)
         self.interval_s = interval_s
@@ -200,6 +211,16 @@ class Heartbeat:
         self.declarations: list[tuple[str, float, float]] = []  # (uid, silent s, time.time())
         self.ticks = 0
         self.failed_ticks = 0
+        # the store restarted empty (a StoreClient found its epoch gone): re-seed what this
+        # process knows through this thread's client (storeclient.reseed)
+        self._on_restart = on_restart
+        self.store_restarts = 0
+        self._blind = False  # a beat failed since the last successful look (the store away)
+        # counters read in the same multi_get at every beat (created at 0 if missing), their
+        # last values in readings: run_in_process reads the join counter this way, so that the
+        # joiners vote in save() makes no store request of its own
+        self._also = tuple(also)
+        self.readings: dict[str, int] = {}
         self._thread: threading.Thread | None = None
         if start:
             self._thread = threading.Thread(target=self._run, name="aegis-heartbeat", daemon=True)
@@ -304,6 +325,7 @@ class Heartbeat:
         with self._lock:  # the lists are replaced, never changed in place
             epoch, ring_, log, targets, keys = (self._epoch, self._ring, self._log, self._targets,
                                                 self._keys)
+        began = time.monotonic()
         try:
             self._store.add(self.key, 1)
             if log is not None and log not in self._present:
@@ -320,17 +342,60 @@ class Heartbeat:
             else:  # a member that never beat: not read (silent since it was watched)
                 read = [u for u, k in zip(targets, keys, strict=True) if k in self._present]
                 rkeys = [_hb(u) for u in read]
-            values = self._store.multi_get(rkeys + [log] if log else rkeys) \
-                if rkeys or log else []
+            also = list(self._also)
+            for k in also:
+                if k not in self._present:
+                    self._store.add(k, 0)  # once (and after a store restart)
+                    self._present.add(k)
+            tail = [log] if log else []
+            values = self._store.multi_get(rkeys + also + tail) if rkeys or also or tail else []
+        except StoreRestarted:
+            # the store lost its keys: none of them is known to exist any more (a multi_get of
+            # a missing key would wait for the client's timeout); what this process knows of
+            # its round is written back, the next beat goes on
+            self.failed_ticks += 1
+            self.store_restarts += 1
+            self._blind = True
+            with self._lock:
+                self._present = set()
+            if self._on_restart is not None:
+                with contextlib.suppress(Exception):
+                    self._on_restart(self._store)
+            return False
         except Exception:  # noqa: BLE001 - a store hiccup is seen by the peers, not here
             self.failed_ticks += 1
+            self._blind = True
             return False
         now = time.monotonic()
+        # A look after the store was away (this thread's requests failed, or this beat's hung
+        # on a store that stopped answering) proves nothing about the time in between: the
+        # watched members could not beat either. Every one counts as just seen, dead only
+        # after dead_after_s of looks from now (else every member would look silent for the
+        # whole outage when the store comes back), with BLIND_GRACE_S more: the members do
+        # not reconnect at the same moment (a c10d client retries a refused connect with a
+        # backoff of about a second). An observer that merely did not run (its
+        # host starved, the store fine) keeps its readings: a member unmoved between two of
+        # its looks is silent.
+        blind = self._blind or now - began > max(3 * self.interval_s,
+                                                 (self.dead_after_s or 0.0) / 2)
+        self._blind = False
         with self._lock:
+            for k, v in zip(also, values[len(rkeys):len(rkeys) + len(also)], strict=True):
+                self.readings[k] = int(v)
             for u, v in zip(read, values, strict=False):
                 last = self._seen.get(u)
                 if last is not None:  # (None: no longer watched)
-                    self._seen[u] = (int(v), now, now) if last[0] != int(v) else (*last[:2], now)
+                    if last[0] != int(v):
+                        self._seen[u] = (int(v), now, now)
+                    elif blind:
+                        self._seen[u] = (int(v), now + BLIND_GRACE_S, now)
+                    else:
+                        self._seen[u] = (*last[:2], now)
+            if blind:
+                for u in targets:
+                    last = self._seen.get(u)
+                    if last is not None and last[0] == -1:
+                        self._seen[u] = (-1, now + BLIND_GRACE_S, now)
             for u in targets:  # looked at, found no counter: that is a look too
                 last = self._seen.get(u)
                 if last is not None and last[2] < now and last[0] == -1:
@@ -711,7 +776,11 @@ class Excluded(RecoveryGaveUp):  # noqa: N818
 
 
 def latest_round(store: Any, start: int = 0) -> int:
+    """The newest round formed (its ``members`` key exists), searched from ``start`` (from the
+    round a re-seeded store starts at, when ``start`` is 0 and the store was restarted)."""
     r = start
+    if r == 0 and store.check([BASE_ROUND]):
+        r = int(store.get(BASE_ROUND).decode())
     while store.check([_rk(r + 1, "members")]):
         r += 1
     return r

@@ -83,6 +83,7 @@ class Round:
     failed: str | None = None  # set when a member was fenced off: why the round must end
     saves: int = 0  # Manager.save() calls that snapshotted in this round (empty rounds)
     create_timeout: Any = None  # run_in_process' bound on creating a round's groups
+    joiners: Any = None  # () -> the join counter as the heartbeat last read it
 
 
 # -- Managers of the current round: aborted (no collectives) when the round fails -------------
@@ -124,11 +125,15 @@ def in_round() -> bool:
 
 def joiners_registered() -> int:
     """How many processes have registered to join the job (``Manager.save`` votes with it)."""
+    if Round.joiners is not None:  # the heartbeat's reading: no store request here
+        return max(Round.admitted, Round.joiners())
     if Round.store is None:
         return 0
-    try:
-        return int(Round.store.add("aegis/join/count", 0))
-    except Exception:  # noqa: BLE001 - the store away: nobody can join now
+    once = getattr(Round.store, "once", None)  # one bounded attempt: save() never waits out
+    try:                                          # an outage of the store
+        return int(once("add", "aegis/join/count", 0) if once is not None
+                   else Round.store.add("aegis/join/count", 0))
+    except Exception:  # noqa: BLE001 - the store away or restarted: nobody can join now
         return Round.admitted
 
 
