@@ -12,7 +12,7 @@ export OMP_NUM_THREADS ?= 1
 TITAN_TEST_DEPS := torchdata==0.11.0 tyro==1.0.17 spmd_types==0.2.3 einops==0.8.2
 TITAN_TEST_NODEPS := torchtitan==0.3.0 triton==3.9.0
 
-.PHONY: venv demo test chaos chaos-inprocess chaos-xor chaos-3x2 chaos-rs6 worker-trade lint bench goodput gpu-wheels clean
+.PHONY: venv demo test chaos chaos-inprocess chaos-xor chaos-3x2 chaos-xor-3x2 chaos-rs6 chaos-long worker-trade lint bench goodput gpu-wheels clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -48,14 +48,28 @@ chaos-xor: venv
 # Multi-rank nodes and worker kills (issue 25): 3 nodes x 2 ranks (a node's ranks share its store;
 # one worker SIGKILLed, its agent, python -m aegis.launch, starts it again alone), and 6 nodes x 1
 # rank with Reed-Solomon 4+2 parity (k = 2). The default mix plus worker_kill; in-process.
-# CHAOS_FAULTS=200 for the long campaigns.
+# The membership store's faults (store_restart, store_outage) are in the mix too.
+# CHAOS_FAULTS and CHAOS_SEED for other campaigns; `make chaos-long` runs issue 25's (~90 min).
 CHAOS_FAULTS ?= 50
-CHAOS_MIX := kill,freeze,partition,s3_outage,store_full,double_kill,worker_kill
+CHAOS_SEED ?= 1
+CHAOS_MIX := kill,freeze,partition,s3_outage,store_full,double_kill,worker_kill,store_restart,store_outage
 chaos-3x2: venv
-	$(BIN)/python -m tests.chaos.campaign --seed 1 --faults $(CHAOS_FAULTS) --in-process --topology 3x2 --kinds $(CHAOS_MIX) --out bench/results/chaos_3x2.json
+	$(BIN)/python -m tests.chaos.campaign --seed $(CHAOS_SEED) --faults $(CHAOS_FAULTS) --in-process --topology 3x2 --kinds $(CHAOS_MIX) --workdir /tmp/aegis-chaos-3x2-$(CHAOS_SEED) --out bench/results/chaos_3x2_seed$(CHAOS_SEED).json
+
+chaos-xor-3x2: venv
+	$(BIN)/python -m tests.chaos.campaign --seed $(CHAOS_SEED) --faults $(CHAOS_FAULTS) --in-process --topology 3x2 --redundancy xor --kinds $(CHAOS_MIX) --workdir /tmp/aegis-chaos-xor-$(CHAOS_SEED) --out bench/results/chaos_xor_3x2_seed$(CHAOS_SEED).json
 
 chaos-rs6: venv
-	$(BIN)/python -m tests.chaos.campaign --seed 1 --faults $(CHAOS_FAULTS) --in-process --topology 6x1 --redundancy rs --kinds $(CHAOS_MIX) --out bench/results/chaos_rs6.json
+	$(BIN)/python -m tests.chaos.campaign --seed $(CHAOS_SEED) --faults $(CHAOS_FAULTS) --in-process --topology 6x1 --redundancy rs --kinds $(CHAOS_MIX) --workdir /tmp/aegis-chaos-rs6-$(CHAOS_SEED) --out bench/results/chaos_rs6_seed$(CHAOS_SEED).json
+
+# Issue 25's campaigns: 200 faults over 4 seeds and the three schemes, 2-rank nodes for replica
+# and XOR, the store faults and worker kills in the mix; then the README table.
+chaos-long: venv
+	$(MAKE) chaos-3x2 CHAOS_SEED=11 CHAOS_FAULTS=45
+	$(MAKE) chaos-3x2 CHAOS_SEED=12 CHAOS_FAULTS=45
+	$(MAKE) chaos-xor-3x2 CHAOS_SEED=13 CHAOS_FAULTS=55
+	$(MAKE) chaos-rs6 CHAOS_SEED=14 CHAOS_FAULTS=55
+	$(BIN)/python -m tests.chaos.long_table bench/results/chaos_3x2_seed11.json bench/results/chaos_3x2_seed12.json bench/results/chaos_xor_3x2_seed13.json bench/results/chaos_rs6_seed14.json
 
 # One worker killed on a 2-rank node: replace it (aegis.launch) or let its node leave the job (~5 min).
 worker-trade: venv

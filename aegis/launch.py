@@ -147,6 +147,37 @@ class InProcessAgent(LocalElasticAgent):
              "running job through the membership store")
 
 
+class _StoreTolerantRendezvous:
+    """The agent's rendezvous handler, except that a store it cannot reach while the job runs
+    counts as no node waiting. torchelastic's run loop asks ``num_nodes_waiting()`` at every
+    monitor interval, and the c10d backend raises ``RendezvousConnectionError`` once the store
+    is away, or for good once it was restarted (its client's connection is broken): the agent
+    exited and took its healthy workers with it (the chaos campaign's ``store_restart``, issue
+    25). With in-process recovery, nodes join through the membership store, never through a
+    re-rendezvous, so nothing is lost by not counting them here."""
+
+    def __init__(self, handler: Any) -> None:
+        self._handler = handler
+        self._away = False
+
+    def num_nodes_waiting(self) -> int:
+        from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+        try:
+            n = int(self._handler.num_nodes_waiting())
+        except RendezvousConnectionError as e:
+            if not self._away:
+                _say(f"the rendezvous store is unreachable ({str(e.__cause__ or e)[:120]}); the "
+                     "workers go on (in-process recovery admits nodes through the membership store)")
+            self._away = True
+            return 0
+        self._away = False
+        return n
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._handler, name)
+
+
 def launch(config: LaunchConfig, entrypoint: str, args: list[str], *, on_worker_failure: str) -> dict[int, Any]:
     """torchelastic's ``launch_agent`` with :class:`InProcessAgent` as the agent (the same
     rendezvous handler, worker spec, metrics, events and failure report; torch's function
@@ -169,6 +200,8 @@ def launch(config: LaunchConfig, entrypoint: str, args: list[str], *, on_worker_
         duplicate_stdout_filters=config.duplicate_stdout_filters,
         duplicate_stderr_filters=config.duplicate_stderr_filters,
         virtual_local_rank=config.virtual_local_rank)
+    if on_worker_failure != "restart":
+        spec.rdzv_handler = _StoreTolerantRendezvous(spec.rdzv_handler)  # type: ignore[assignment]
     agent = InProcessAgent(
         spec=spec, logs_specs=config.logs_specs, start_method=config.start_method,  # type: ignore[arg-type]
         log_line_prefix_template=config.log_line_prefix_template,
@@ -194,7 +227,8 @@ def launch(config: LaunchConfig, entrypoint: str, args: list[str], *, on_worker_
         raise
     finally:
         if shutdown_rdzv:
-            spec.rdzv_handler.shutdown()
+            with contextlib.suppress(Exception):  # the store may be gone: nothing to close
+                spec.rdzv_handler.shutdown()
 
 
 @record

@@ -161,6 +161,27 @@ class SimCluster:
             time.sleep(0.05)
         return self._store
 
+    def restart_store(self) -> float:
+        """The store's host lost and the store started again on its address, empty: SIGKILL
+        of ``aegis store serve``, then a new one (as a supervisor such as systemd or a
+        Kubernetes Deployment restarts it). Returns the seconds it was down."""
+        assert self._store is not None
+        t0 = time.monotonic()
+        self._store.kill()
+        self._store.wait()
+        self.start_store()
+        return time.monotonic() - t0
+
+    def freeze_store(self, seconds: float) -> None:
+        """The store unreachable for ``seconds``: SIGSTOP (connections stay open, nothing is
+        answered), then SIGCONT."""
+        assert self._store is not None
+        os.kill(self._store.pid, signal.SIGSTOP)
+        try:
+            time.sleep(seconds)
+        finally:
+            os.kill(self._store.pid, signal.SIGCONT)
+
     def add_node(self, *, solo: bool = False) -> SimNode:
         """Start a node with a new id and an empty node store (a replacement, or the first).
 

@@ -24,6 +24,10 @@ multi-rank nodes whose ranks share the node store; ``6x1``: room for Reed-Solomo
 * ``worker_kill`` SIGKILL of one worker process of a node (a GPU fallen off the bus, an OOM, a
                   segfault); the agent, the node's other ranks and its store stay. Not in the
                   default mix (``KINDS``, which ``make chaos`` and ``make chaos-inprocess`` run).
+* ``store_restart`` the rendezvous and membership store (``aegis store serve``) SIGKILLed and
+                  started again on its address, empty; ``--in-process`` only;
+* ``store_outage`` the store SIGSTOPped (connections open, nothing answered) for 3-15 s, then
+                  continued; ``--in-process`` only. Neither may stop training (invariant 6).
 
 Adding a fault kind: a name in ``ALL_KINDS`` and a method ``_fault_<name>(rec)`` that injects it,
 fills ``rec.detail`` and ``rec.t_end``, and calls ``_resolve`` with what it expects (a recovery,
@@ -50,8 +54,9 @@ Invariants, checked from the trainer's logs, the aegis events and the stores:
 4. the newest committed durable step is never deleted (polled throughout);
 5. no orphaned processes: every process of the campaign belongs to a live agent, and none
    remains at the end;
-6. a full node store or an unreachable object store never stops training: no restart, the
-   memory snapshot is skipped (full store) or uploads are skipped and later catch up (S3).
+6. a full node store, an unreachable object store or a lost or frozen membership store never
+   stops training: no restart or in-place recovery; the memory snapshot is skipped (full
+   store) or uploads are skipped and later catch up (S3).
 """
 
 from __future__ import annotations
@@ -84,7 +89,8 @@ from tests.servers import S3_ENV, free_port, start_moto
 # The default mix (its order fixes the seeded schedule of `make chaos` / `make chaos-inprocess`)
 KINDS = ("kill", "freeze", "partition", "s3_outage", "store_full", "double_kill")
 # Every kind the campaign can inject (`--kinds`); each has a `Campaign._fault_<kind>` method.
-ALL_KINDS = (*KINDS, "worker_kill")
+STORE_KINDS = ("store_restart", "store_outage")  # in-process only: the membership store's faults
+ALL_KINDS = (*KINDS, "worker_kill", *STORE_KINDS)
 RESTART_KINDS = ("kill", "double_kill", "worker_kill")
 TOPOLOGIES = ("3x1", "3x2", "6x1")
 BUCKET = "aegis-chaos"
@@ -535,6 +541,25 @@ class Campaign:
         self._resolve(rec, expect_restart=False)
         self._check_uploads_caught_up(rec)
 
+    def _fault_store_restart(self, rec: FaultRecord) -> None:
+        cl = self.cluster
+        assert cl is not None
+        rec.node = "store"
+        down = cl.restart_store()
+        rec.detail = f"store SIGKILLed and started again empty ({down:.1f} s down)"
+        rec.t_end = time.time()
+        self._resolve(rec, expect_restart=False)
+
+    def _fault_store_outage(self, rec: FaultRecord) -> None:
+        cl = self.cluster
+        assert cl is not None
+        dur = self.rng.uniform(3.0, 15.0)
+        rec.node = "store"
+        cl.freeze_store(dur)
+        rec.detail = f"store SIGSTOPped for {dur:.1f} s"
+        rec.t_end = time.time()
+        self._resolve(rec, expect_restart=False)
+
     def _fault_store_full(self, rec: FaultRecord) -> None:
         cl = self.cluster
         assert cl is not None
@@ -937,6 +962,9 @@ def main(argv: list[str] | None = None) -> int:
     bad = set(kinds) - set(ALL_KINDS)
     if bad:
         p.error(f"unknown fault kinds {sorted(bad)}; choose from {', '.join(ALL_KINDS)}")
+    if set(kinds) & set(STORE_KINDS) and not a.in_process:
+        p.error(f"{', '.join(STORE_KINDS)}: the membership store's faults need --in-process (under "
+                "torchrun restarts the store is only the rendezvous)")
     try:
         nodes, nproc = (int(x) for x in a.topology.lower().split("x"))
     except ValueError:

@@ -55,3 +55,21 @@ def test_chaos_slice_in_process(tmp_path: Path) -> None:
     if missing:
         pytest.skip(f"{cfg.faults} faults held every invariant, but {missing} could not be "
                     f"injected on this machine: {s['network_note'] or 'needs root'}")
+
+
+@pytest.mark.timeout(600)
+def test_chaos_store_faults_in_process(tmp_path: Path) -> None:
+    """The membership store's own faults (issue 25): ``aegis store serve`` SIGKILLed and started
+    again empty, then SIGSTOPped for seconds, while the in-process job trains. Neither may stop
+    training: no worker restarted (the agents' rendezvous store is the same one), no round
+    ended, every invariant held. Before issue 25 the restart took every agent down with it."""
+    kinds = ("store_restart", "store_outage")
+    cfg = Config(seed=5, faults=len(kinds), kinds=kinds, workdir=tmp_path / "chaos",
+                 reference_steps=25, in_process=True)
+    s = Campaign(cfg).run()
+    (tmp_path / "summary.json").write_text(json.dumps(s, indent=1, default=str))
+    report = format_table(s) + "\n" + "\n".join(s["violations"])
+    assert s["faults_injected"] == cfg.faults, report
+    assert sorted(r["kind"] for r in s["records"]) == sorted(kinds), report
+    assert not s["violations"], f"{report}\nlogs: {cfg.workdir}"
+    assert all(r["restarts"] == 0 and r["in_place"] == 0 for r in s["records"]), report
