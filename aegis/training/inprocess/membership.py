@@ -55,6 +55,11 @@ __all__ = ["ENV_STORE", "store_from_env", "Heartbeat", "Membership", "Excluded",
 ENV_STORE = "AEGIS_MEMBERSHIP"
 # after the store was away, how much longer than dead_after_s a watched member has to beat again
 BLIND_GRACE_S = 2.0
+# a beat that took this long (or 2 x dead_after_s) hung on the store. Not less: under load a
+# beat waits for the GIL for most of a second (the chaos campaign on 2 cores), and a bound of
+# 0.6 s took every slow beat for an outage, so the silence of a SIGKILLed node restarted at
+# every beat and its watchers never declared it (a round formed 54 s after the loss)
+BLIND_BEAT_S = 2.0
 
 
 def store_from_env(timeout: timedelta) -> dist.TCPStore:
@@ -368,7 +373,7 @@ class Heartbeat:
             return False
         now = time.monotonic()
         # A look after the store was away (this thread's requests failed, or this beat's hung
-        # on a store that stopped answering) proves nothing about the time in between: the
+        # on a store that stopped answering: BLIND_BEAT_S) proves nothing about the time in between: the
         # watched members could not beat either. Every one counts as just seen, dead only
         # after dead_after_s of looks from now (else every member would look silent for the
         # whole outage when the store comes back), with BLIND_GRACE_S more: the members do
@@ -376,8 +381,7 @@ class Heartbeat:
         # backoff of about a second). An observer that merely did not run (its
         # host starved, the store fine) keeps its readings: a member unmoved between two of
         # its looks is silent.
-        blind = self._blind or now - began > max(3 * self.interval_s,
-                                                 (self.dead_after_s or 0.0) / 2)
+        blind = self._blind or now - began > max(BLIND_BEAT_S, 2 * (self.dead_after_s or 0.0))
         self._blind = False
         with self._lock:
             for k, v in zip(also, values[len(rkeys):len(rkeys) + len(also)], strict=True):

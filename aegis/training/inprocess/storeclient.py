@@ -159,6 +159,7 @@ class StoreClient:
             return
         self._generation += 1
         pool = _Worker(f"aegis-store-{self._generation}")
+
         def connect() -> Any:
             raw = self._connect(timedelta(seconds=self.request_s))
             raw.set_timeout(timedelta(seconds=self.timeout_s))
