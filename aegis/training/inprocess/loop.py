@@ -312,6 +312,9 @@ def run_in_process(
     hb_store = StoreClient(store_from_env, timeout_s=hb_timeout.total_seconds(),
                            outage_s=None, name="membership store (heartbeat)")
     hb_store.seal()
+    # when the heartbeat's client had to reconnect, so will the membership client: at once, in
+    # the background, not at the next round's first request
+    hb_store.on_reconnect = store.refresh
     # the rendezvous of each round's groups goes through a client of its own whose waits end at
     # create_timeout (a member lost while the groups are created, issue 25), made per round
     pg_store: Any = None
