@@ -271,7 +271,8 @@ class StoreClient:
         with self._lock:
             if self._store is None and time.monotonic() - self.failed_at < self.request_s:
                 raise ConnectionError(f"the {self.name} is unreachable ({self.last_failure})")
-        bound = None if name in _WAITING else min(QUICK_S, self.request_s)
+        # a get here reads a key known to exist (its caller checks first): bounded as short
+        bound = None if name == "wait" else min(QUICK_S, self.request_s)
         return self._call(name, args, kwargs, None, bound, step=False)
 
     def refresh(self) -> None:
