@@ -291,3 +291,39 @@ def test_rs_rebuild_reads_around_a_missing_or_corrupt_parity_file(damage: str, s
     assert [o["step"] for o in out] == [3] * 5, out
     assert_bitwise_equal(saved[0]["full"], out[0]["full"])
     assert {s["shard"]: s for s in out[2]["sources"]}[2]["tier"] == "rebuild", out[2]["sources"]
+
+
+def _uneven(rank: int, world: int, root: str, in_round: bool) -> Any:
+    """Ranks on nodes a, a, b (a worker of node b lost): no local index 1 on two nodes."""
+    from aegis.errors import AegisError
+    from aegis.training.inprocess.round import set_in_process_round
+
+    set_in_process_round(in_round)
+    model, opt, sched = build(world)
+    try:
+        mgr = _mgr(root, ["a", "a", "b"][rank], model, opt, sched)
+    except AegisError as e:
+        return {"error": str(e)}
+    train_step(model, opt, sched, 1, rank)
+    mgr.save(1)
+    r = mgr.wait()
+    out = {"scheme": mgr.engine.scheme, "degraded": mgr.engine.degraded,
+           "committed": r.committed, "replica_bytes": r.replica_bytes,
+           "parity_bytes": r.parity_bytes}
+    mgr.close()
+    return out
+
+
+def test_an_uneven_world_keeps_replicas_in_a_recovery_round_and_is_refused_at_start(
+        store_dir: Path) -> None:
+    """Parity groups take one rank per node per local index; a world left uneven by a lost
+    worker of a 2-rank node (in-process recovery keeps the node's other rank) cannot form them.
+    In a round of in-process recovery the snapshots are then replicated whole for that world
+    (found by the long chaos campaign: every process raised, was replaced, and raised again);
+    at a job's start the same layout is still a clear error."""
+    started = run_ranks(3, _uneven, str(store_dir / "start"), False)
+    assert all("cannot form parity groups" in r.get("error", "") for r in started), started
+    got = run_ranks(3, _uneven, str(store_dir / "round"), True)
+    assert all(r.get("scheme") == "replica" and r["committed"] for r in got), got
+    assert all("cannot form parity groups" in r["degraded"] for r in got), got
+    assert all(r["parity_bytes"] == 0 for r in got) and any(r["replica_bytes"] > 0 for r in got), got

@@ -327,6 +327,7 @@ class SnapshotEngine:
         group_size: int = 5,
         parity: int = 2,
         staging: str = "sync",
+        parity_fallback: bool = False,
     ) -> None:
         self.store = store
         self.stager = Stager(staging)
@@ -362,6 +363,7 @@ class SnapshotEngine:
                                          replicas if redundancy == "replica" else 0)
         # parity groups (issue 16): member ranks in order; empty with whole replicas
         self.groups: list[tuple[int, ...]] = []
+        self.degraded: str | None = None  # why this world keeps replicas instead of parity
         self.scheme = redundancy
         self.parity = 1 if redundancy == "xor" else parity  # losses per group it rebuilds
         if redundancy != "replica":
@@ -378,9 +380,17 @@ class SnapshotEngine:
                     else:  # pyeclib present: fail now, not at the first save
                         rs_piece_size(rs_stripe_layout([64] * smallest, self.parity))
             except (ValueError, ConfigError) as e:
-                raise AegisError(f"redundancy={redundancy!r} cannot form parity groups: {e}") from None
+                if not parity_fallback:
+                    raise AegisError(f"redundancy={redundancy!r} cannot form parity groups: {e}") from None
+                # a world that a recovery in place left uneven (a worker of a 2-rank node lost:
+                # its local index 1 on one node only): one whole replica per shard for this
+                # world, not a crash of every process (the Manager warns); the next world that
+                # can form groups uses parity again
+                self.placement = Placement.build(self.nodes, [d for _, d in ids], 1)
+                self.groups, self.scheme, self.parity = [], "replica", 0
+                self.degraded = f"redundancy={redundancy!r} cannot form parity groups in this world ({e})"
         self.group_of: tuple[int, ...] = next((g for g in self.groups if self.rank in g), ())
-        if (replicas or self.groups) and transport is None:
+        if (self.placement.effective_replicas or self.groups) and transport is None:
             raise AegisError("replicas > 0 or parity groups need a transport")
         self.transport = transport
         self.targets = self.placement.targets(self.rank)

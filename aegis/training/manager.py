@@ -169,6 +169,10 @@ class Manager:
             on_commit=self._submit_upload,
             extra_snapshots=self.config.durable_max_pending + 1 if self.durable_store else 0,
             state_kinds=self._kinds,
+            # in a round of in-process recovery the world may be left uneven (a lost worker):
+            # keep snapshots replicated rather than fail every process; at a job's start an
+            # impossible layout is still an error
+            parity_fallback=inprocess.in_process_round(),
         )
         # ModelOptimizerState entries hand back the same state dict object while its tensors are
         # the live ones (see ModelOptimizerState.state_dict): flattened once by the engine
@@ -219,6 +223,9 @@ class Manager:
                          replica_targets=self.engine.targets, redundancy=self.engine.scheme,
                          parity_group=list(self.engine.group_of),
                          parity=self.engine.parity if self.engine.groups else None)
+        if self.engine.degraded:
+            self.events.warn(f"{self.engine.degraded}: this world keeps one whole replica of each "
+                             "shard instead (parity again once the world is even)")
         if self.engine.groups and self.config.redundancy == "rs" and self.engine.parity < self.config.parity:
             smallest = min(len(g) for g in self.engine.groups)
             now = ("XOR parity (RS needs 3)" if self.engine.scheme == "xor"
