@@ -687,6 +687,14 @@ def fit_loglog(x: Sequence[float], y: Sequence[float]) -> tuple[float, float] | 
     return my - b * mx, b
 
 
+def larger_half(x: Sequence[float], y: Sequence[float]) -> tuple[list[float], list[float]]:
+    """The points of the larger half of the sizes (at least 3): what a projection extrapolates
+    from (the smallest worlds' times are a heartbeat's phase, near zero, and would set the
+    slope). ``bench/scale.py``'s README projection and :func:`scale_costs` both fit these."""
+    keep = sorted(range(len(x)), key=lambda i: x[i])[max(0, min(len(x) - 3, len(x) // 2)):]
+    return [x[i] for i in keep], [y[i] for i in keep]
+
+
 def scale_costs(doc: Mapping[str, Any], ranks: int) -> dict[str, dict[str, float]]:
     """Each of :data:`SCALE_COSTS` that ``doc`` (``bench/results/scale.json``) measured, fitted
     log-log and evaluated at ``ranks``: ``{name: {value, exponent, measured_to}}``. Points the
@@ -703,10 +711,7 @@ def scale_costs(doc: Mapping[str, Any], ranks: int) -> dict[str, dict[str, float
         limited = s.get("limited") or [False] * len(s["x"])
         pts = [(x, y) for x, y, lim in zip(s["x"], s["y"], limited, strict=True)
                if y is not None and not lim]
-        # the larger half of the sizes (at least 3 points), as bench/scale.py's projection: the
-        # smallest worlds' times are a heartbeat's phase, near zero, and would set the slope
-        pts = sorted(pts)[max(0, min(len(pts) - 3, len(pts) // 2)):]
-        ab = fit_loglog([p[0] for p in pts], [p[1] for p in pts])
+        ab = fit_loglog(*larger_half([p[0] for p in pts], [p[1] for p in pts]))
         if ab is None:
             continue
         a, b = ab

@@ -64,6 +64,8 @@ from _scale_snapshot import (  # noqa: E402
     section_restore,
 )
 
+from aegis.goodput import fit_loglog, larger_half  # noqa: E402
+
 OUT = ROOT / "bench" / "results" / "scale.json"
 README = ROOT / "README.md"
 BEGIN, END = "<!-- scale:begin -->", "<!-- scale:end -->"
@@ -836,20 +838,6 @@ REBUILD: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
 
 # == fits, plot, README ===========================================================================
 
-def fit(x: Sequence[float], y: Sequence[float]) -> tuple[float, float] | None:
-    """Least squares of log y = a + b log x; (a, b) or None with fewer than 2 usable points."""
-    pts = [(math.log(a), math.log(b)) for a, b in zip(x, y, strict=True) if a > 0 and b and b > 0]
-    if len(pts) < 2:
-        return None
-    mx = sum(p[0] for p in pts) / len(pts)
-    my = sum(p[1] for p in pts) / len(pts)
-    sxx = sum((p[0] - mx) ** 2 for p in pts)
-    if sxx == 0:
-        return None
-    b = sum((p[0] - mx) * (p[1] - my) for p in pts) / sxx
-    return my - b * mx, b
-
-
 def growth(b: float) -> str:
     for exp, name in ((0, "O(1)"), (1, "O(world)"), (2, "O(world^2)")):
         if abs(b - exp) <= 0.3:
@@ -864,13 +852,6 @@ def _usable(s: dict[str, Any]) -> tuple[list[float], list[float]]:
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
-def _tail(x: list[float], y: list[float]) -> tuple[list[float], list[float]]:
-    """The larger half of the sizes (at least 3 points): what a projection extrapolates from
-    (the smallest worlds' times are a heartbeat's phase, near zero, and would set the slope)."""
-    keep = sorted(range(len(x)), key=lambda i: x[i])[max(0, min(len(x) - 3, len(x) // 2)):]
-    return [x[i] for i in keep], [y[i] for i in keep]
-
-
 def projections(doc: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
     for name, sec in doc.get("sections", {}).items():
@@ -878,7 +859,7 @@ def projections(doc: dict[str, Any]) -> list[dict[str, Any]]:
             if not s.get("project"):
                 continue
             x, y = _usable(s)
-            ab = fit(*_tail(x, y))
+            ab = fit_loglog(*larger_half(x, y))
             if ab is None:
                 continue
             a, b = ab
@@ -915,7 +896,7 @@ def render(doc: dict[str, Any], out: Path = OUT) -> None:
                 if lim:
                     ax.plot([p[0] for p in lim], [p[1] for p in lim], "x", color=line.get_color(),
                             label=f"{s['label']}: machine did not keep up")
-                ab = fit(*_tail(x, y))
+                ab = fit_loglog(*larger_half(x, y))
                 if ab is not None:
                     a, b = ab
                     grid = [lo, hi]
