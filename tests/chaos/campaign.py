@@ -33,7 +33,8 @@ Adding a fault kind: a name in ``ALL_KINDS`` and a method ``_fault_<name>(rec)``
 fills ``rec.detail`` and ``rec.t_end``, and calls ``_resolve`` with what it expects (a recovery,
 none, or either); ``_resolve`` then checks every invariant below.
 
-``--in-process``: the trainer runs under ``aegis.run_in_process`` (min world 2): survivors
+``--in-process``: the trainer runs under ``aegis.run_in_process`` (``min_world``: the nodes
+less the losses the redundancy scheme rebuilds, times the ranks per node): survivors
 re-form their groups in place, a frozen or cut-off node is fenced off and rejoins when it comes
 back, replacement nodes start with a torchrun rendezvous of their own (``add_node(solo=True)``)
 and join at a snapshot, and an agent that exits is relaunched alone. The agents are
@@ -252,8 +253,15 @@ class Campaign:
                 "--timeout", str(c.snapshot_timeout), "--pg-timeout", str(c.pg_timeout),
                 "--loss-log", str(loss), "--digest-log", str(digest),
                 "--step-sleep", str(c.step_sleep)] + (
-                    ["--in-process", "--min-world", str((c.nodes - 1) * c.nproc_per_node)]
-                    if c.in_process else [])
+                    ["--in-process", "--min-world", str(self.min_world)] if c.in_process else [])
+
+    @property
+    def min_world(self) -> int:
+        """In-process: the nodes less the losses the scheme rebuilds from memory (one; two for
+        RS 4+2, which then goes on at 4 nodes as RS 2+2), times the ranks per node. Fewer
+        survivors wait for replacement nodes."""
+        c = self.cfg
+        return (c.nodes - (2 if c.redundancy == "rs" else 1)) * c.nproc_per_node
 
     def _add_node(self) -> Any:
         """A replacement node. In-process: with a rendezvous of its own, so that the running

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 __all__ = ["my_sockets", "endpoints", "listening_ports", "opened_since", "shutdown_where",
-           "split"]
+           "split", "connected_to", "shutdown_where_inode"]
 
 TCP_ESTABLISHED, TCP_LISTEN = "01", "0A"
 
@@ -77,6 +77,13 @@ def opened_since(baseline: Iterable[int]) -> dict[str, Any]:
             "listen_eps": listen, "local": local}
 
 
+def connected_to(port: int, inodes: Iterable[int]) -> frozenset[int]:
+    """Which of ``inodes`` (this process's sockets) are established connections to ``port``."""
+    want = set(inodes)
+    return frozenset(ino for _, rep, st, ino in endpoints()
+                     if ino in want and st == TCP_ESTABLISHED and split(rep)[1] == port)
+
+
 def shutdown_where(match: Callable[[str, str], bool]) -> int:
     """Shut down (both ways) this process's established connections for which
     ``match(local "ip:port", remote "ip:port")`` is true; return how many."""
@@ -85,11 +92,32 @@ def shutdown_where(match: Callable[[str, str], bool]) -> int:
     for lep, rep, st, ino in endpoints():
         if st != TCP_ESTABLISHED or ino not in mine or not match(lep, rep):
             continue
-        with contextlib.suppress(OSError):
-            sock = socket.socket(fileno=os.dup(mine[ino]))
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-                n += 1
-            finally:
-                sock.close()
+        n += _shutdown(mine[ino])
     return n
+
+
+def shutdown_where_inode(inodes: Iterable[int]) -> int:
+    """Shut down (both ways) those of this process's sockets whose inode is in ``inodes`` (and
+    that are still open); return how many."""
+    mine = my_sockets()
+    n = 0
+    for ino in set(inodes):
+        if ino in mine:
+            n += _shutdown(mine[ino])
+    return n
+
+
+def _shutdown(fd: int) -> int:
+    """shutdown(2) both ways on ``fd`` (through a duplicate: the owner keeps its descriptor);
+    1 if done."""
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return 0
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+        return 1
+    except OSError:
+        return 0
+    finally:
+        sock.close()

@@ -22,9 +22,11 @@ peer. What that takes depends on the backend:
   runs the gloo one too (:class:`Composite`).
 
 Who calls what: the round loop calls :meth:`Abandon.begin` before it creates the round's
-default group, :meth:`Abandon.publish` after (and every Manager after creating its groups),
+default group, :meth:`Abandon.rendezvous` with the connection that creation goes through,
+:meth:`Abandon.publish` after (and every Manager after creating its groups),
 :meth:`Abandon.leave` after the round ended; the heartbeat thread calls :meth:`Abandon.fence`
-for a member silent for ``dead_after_s``. Every implementation passes
+for a member silent for ``dead_after_s`` (while the groups are created: for
+``membership.CREATING_SILENT_S``). Every implementation passes
 ``tests/test_abandon.py``.
 """
 
@@ -58,6 +60,11 @@ class Abandon(abc.ABC):
     def publish(self) -> None:  # noqa: B027 - optional
         """Groups were created (the default group, a Manager's): record what peers need to fence
         this process off."""
+
+    def rendezvous(self, inodes: frozenset[int]) -> None:  # noqa: B027 - optional
+        """``inodes``: this process's connections to the store through which the round's groups
+        rendezvous. A fence shuts them down too: a group creation that waits there for a lost
+        member's address (it never comes) fails now, not at ``create_timeout``."""
 
     @abc.abstractmethod
     def fence(self, uid: str) -> int:
@@ -101,10 +108,15 @@ class GlooAbandon(Abandon):
         self.r = -1
         self.uid = ""
         self.baseline: frozenset[int] = frozenset()
+        self.rdv: frozenset[int] = frozenset()
 
     def begin(self, store: Any, r: int, uid: str) -> None:
         self.store, self.r, self.uid = store, r, uid
         self.baseline = frozenset(_sockets.my_sockets())
+        self.rdv = frozenset()
+
+    def rendezvous(self, inodes: frozenset[int]) -> None:
+        self.rdv = inodes
 
     def _key(self, uid: str) -> str:
         return f"aegis/round/{self.r}/ports/{uid}"
@@ -130,10 +142,13 @@ class GlooAbandon(Abandon):
 
     def fence(self, uid: str) -> int:
         """Shut down this process's established connections with ``uid``'s sockets of this
-        round (its listeners, and the connections it opened, as it published them)."""
+        round (its listeners, and the connections it opened, as it published them), and its
+        connection to the round's rendezvous (a creation of groups waiting for ``uid``'s
+        address, the default group's or a later one's, fails now: the round is over anyway)."""
+        cut = _sockets.shutdown_where_inode(self.rdv) if self.rdv else 0
         info = self._info(uid) if self.store is not None else None
         if info is None:
-            return 0
+            return cut
         listen = [_sockets.split(e) for e in info.get("listen_eps", [])]
         local = {_sockets.split(e) for e in info.get("local", [])}
 
@@ -142,7 +157,7 @@ class GlooAbandon(Abandon):
             return (rip, rport) in local or any(
                 rport == port and (ip == rip or _sockets.any_ip(ip)) for ip, port in listen)
 
-        return _sockets.shutdown_where(match)
+        return cut + _sockets.shutdown_where(match)
 
     def _round_ports(self, members: list[str]) -> set[int]:
         ports: set[int] = set()
@@ -264,6 +279,10 @@ class Composite(Abandon):
     def publish(self) -> None:
         for p in self.parts:
             p.publish()
+
+    def rendezvous(self, inodes: frozenset[int]) -> None:
+        for p in self.parts:
+            p.rendezvous(inodes)
 
     def fence(self, uid: str) -> int:
         return sum(p.fence(uid) for p in self.parts)

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from aegis import _fault
 from aegis._dist import node_id
 from aegis.errors import ConfigError
+from aegis.training.inprocess import _sockets
 from aegis.training.inprocess import abandon as _abandon
 from aegis.training.inprocess.membership import (
     Excluded,
@@ -319,7 +320,8 @@ def run_in_process(
     # create_timeout (a member lost while the groups are created, issue 25), made per round
     pg_store: Any = None
     hb = Heartbeat(uid, heartbeat_s, form_timeout, dead_after_s=dead_after_s, fence=ab.fence,
-                   fenceable=lambda u: in_round() and u in Round.members, store=hb_store,
+                   fenceable=lambda u: (in_round() or Round.creating) and u in Round.members,
+                   creating=lambda: Round.creating, store=hb_store,
                    on_restart=lambda st: reseed(st, Round.r, list(Round.members), Round.admitted,
                                                 uid), also=(JOIN_COUNT,))
     Round.joiners = lambda: hb.readings.get(JOIN_COUNT, 0)
@@ -380,9 +382,16 @@ def run_in_process(
             Round.failed = None
             Round.abandon = ab
             ab.begin(store.quick, r, uid)
+            # from here a member silent for CREATING_SILENT_S is declared and fenced: the fence
+            # shuts down this process's connection to the groups' rendezvous (a loss while the
+            # groups are created, issue 25)
+            Round.creating = True
             _fault.hit("group", r, rank)
             try:
+                before = _sockets.my_sockets()
                 pg_store = _connect_within(create_timeout)
+                ab.rendezvous(_sockets.connected_to(
+                    store_address()[1], set(_sockets.my_sockets()) - set(before)))
                 # created with create_timeout (the rendezvous waits for every member's address
                 # under the group's timeout), then given collective_timeout for its collectives
                 dist.init_process_group(
@@ -395,6 +404,7 @@ def run_in_process(
                 if restarts >= max_restarts or not (is_peer_failure(e) or _store_timeout(e)):
                     raise
                 failed_at, cause = time.time(), f"creating round {r}'s groups: {type(e).__name__}: {e}"[:500]
+                Round.creating = False
                 hb.round_ended()
                 td = time.perf_counter()
                 teardown(ab, members)
@@ -414,7 +424,7 @@ def run_in_process(
             ab.publish()  # the default group's sockets
             if on_round is not None:
                 on_round(world)
-            Round.active = True
+            Round.active, Round.creating = True, False
             try:
                 result = _run_round(train, world)
                 with contextlib.suppress(Exception):  # a process still waiting to join: go home
@@ -462,6 +472,7 @@ def run_in_process(
     finally:
         hb.stop()
         Round.joiners = None
+        Round.creating = False
         store.close()
         hb_store.close()
         with contextlib.suppress(Exception):

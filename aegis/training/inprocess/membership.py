@@ -60,6 +60,12 @@ BLIND_GRACE_S = 2.0
 # 0.6 s took every slow beat for an outage, so the silence of a SIGKILLed node restarted at
 # every beat and its watchers never declared it (a round formed 54 s after the loss)
 BLIND_BEAT_S = 2.0
+# A member of a round whose groups are being created is declared after this long silent at
+# least (2 x dead_after_s when that is longer): the group's rendezvous waits on the store for
+# every member's address, and a member lost then held the others until create_timeout (10 s;
+# issue 25). Longer than dead_after_s because the members' heartbeats compete with the
+# creation for the CPU, and a declaration stays for the round.
+CREATING_SILENT_S = 2.0
 
 
 def store_from_env(timeout: timedelta) -> dist.TCPStore:
@@ -176,7 +182,8 @@ class Heartbeat:
     and that is one of its ring successors is declared dead in the log; every process that reads
     a member of its running round (``fenceable``) in the log hands it to ``fence`` (the round's
     ``Abandon``), so the detector's finding reaches every process that holds connections to
-    the dead member within one more interval: detection within ``dead_after_s`` + 3 intervals of
+    the dead member (or waits for its address while the round's groups are created,
+    ``creating``: then after ``CREATING_SILENT_S`` silent at least) within one more interval: detection within ``dead_after_s`` + 3 intervals of
     the last beat. Nothing is declared or fenced in a beat whose store requests failed: a
     process that cannot reach the store (it is the one cut off) fences nobody."""
 
@@ -186,7 +193,8 @@ class Heartbeat:
                  fenceable: Callable[[str], bool] | None = None,
                  watchers: int = 2, store: Any = None, start: bool = True,
                  on_restart: Callable[[Any], None] | None = None,
-                 also: tuple[str, ...] = ()) -> None:
+                 also: tuple[str, ...] = (),
+                 creating: Callable[[], bool] | None = None) -> None:
         self.uid = uid
         self.key = _hb(uid)
         self.interval_s = interval_s
@@ -194,6 +202,7 @@ class Heartbeat:
         self.watchers = watchers
         self._fence = fence  # cuts this process off a dead member (the round's Abandon)
         self._fenceable = fenceable  # is the member part of a running round?
+        self._creating = creating  # is that round still creating its groups?
         self._store: Any = store if store is not None else store_from_env(timeout)
         # the counter exists before any process can be told to watch it (a multi_get of an
         # absent key would wait for the client's timeout)
@@ -416,7 +425,10 @@ class Heartbeat:
                 (u, now - self._seen[u][1]) for u in ring_ if u not in self._declared
                 and u in self._seen and now - self._seen[u][1] >= dead_after]
         if not forming and self._fenceable is not None:
-            silent = [(u, s) for u, s in silent if self._fenceable(u)]
+            floor = 0.0  # a round creating its groups: see CREATING_SILENT_S
+            if self._creating is not None and self._creating():
+                floor = max(CREATING_SILENT_S, 2 * (dead_after or 0.0))
+            silent = [(u, s) for u, s in silent if s >= floor and self._fenceable(u)]
         for u, s in silent:
             assert log is not None
             try:

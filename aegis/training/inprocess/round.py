@@ -78,6 +78,7 @@ class Round:
     members: list[str] = []
     admitted: int = 0  # join slots admitted into a round so far
     active: bool = False  # train() of the round runs (not torn down)
+    creating: bool = False  # the round's default group is being created (its rendezvous)
     thread: threading.Thread | None = None  # the thread train() runs in
     abandon: Any = None  # the round's Abandon (backend seam), for publish()
     failed: str | None = None  # set when a member was fenced off: why the round must end
