@@ -146,3 +146,30 @@ def test_serve_logs_members_answers_probes_and_stops_on_sigterm(tmp_path: Path) 
 def test_ping_rejects_an_address_without_a_port() -> None:
     out = _cli("store", "ping", "localhost")
     assert out.returncode == 2 and "HOST:PORT" in out.stderr, out
+
+
+def test_the_log_follows_a_store_the_members_re_seeded() -> None:
+    """After the store restarted empty the members write back what they know (storeclient.reseed:
+    round 9's members, 7 join slots admitted): the serve log follows from round 9 (before, it
+    looked for round 0 and logged no round, death or registration again) and numbers new
+    registrations from slot 8."""
+    from aegis.cli.store import Watcher
+    from aegis.training.inprocess.storeclient import reseed
+
+    port = free_port()
+    server = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                      timeout=timedelta(seconds=10))
+    lines: list[str] = []
+    w = Watcher(server, lines.append)
+    members = ["node-1/0/11", "node-1/1/12", "node-3/0/13"]
+    reseed(server, 9, members, 7, members[0])
+    w.poll()
+    assert lines[0] == ("re-seeded by the members after a restart: rounds from 9, join slots "
+                        "1..7 admitted before"), lines
+    assert lines[1] == f"round 9 formed: 3 member(s), in rank order {members}", lines
+    server.set("aegis/round/9/dead", "node-3/0/13\n")
+    server.add("aegis/join/count", 1)
+    server.set("aegis/join/slot/8", "node-4/0/21")
+    w.poll()
+    assert lines[2:] == ["node-3/0/13 left: declared dead by its watchers in round 9",
+                         "node-4/0/21 registered to join the running job (join slot 8)"], lines

@@ -164,7 +164,22 @@ class Watcher:
             self.say(f"{uid} left: declared dead by its watchers in round {r}")
         self.dead[r] = len(lines)
 
+    def _reseeded(self) -> None:
+        """A store restarted empty holds only what the members wrote back
+        (:func:`~aegis.training.inprocess.storeclient.reseed`): follow from the round they
+        re-seeded, and count join slots from the ones admitted before (their registrations
+        went with the old store)."""
+        from aegis.training.inprocess.storeclient import BASE_ROUND  # torch is loaded by now
+
+        if self.round or self.formed or not self.s.check([BASE_ROUND]):
+            return
+        self.round = int(_get(self.s, BASE_ROUND) or "0")
+        self.joins = self.admitted = _count(self.s, "aegis/admitted")
+        self.say(f"re-seeded by the members after a restart: rounds from {self.round}, join "
+                 f"slots 1..{self.admitted} admitted before")
+
     def poll(self) -> None:
+        self._reseeded()
         r = self.round
         while True:  # the round followed, then any formed since the last pass
             self._join_log(r)
