@@ -25,7 +25,8 @@ from typing import Any
 from aegis.sim.cluster import SimCluster
 from aegis.snapshot.node_store import NodeStore
 
-__all__ = ["Kill", "Scenario", "ScenarioResult", "read_jsonl", "read_events", "wait_exited", "TRAINER"]
+__all__ = ["Kill", "StoreFault", "Scenario", "ScenarioResult", "read_jsonl", "read_events",
+           "wait_exited", "TRAINER"]
 
 TRAINER = str(Path(__file__).resolve().parents[2] / "examples" / "train_fsdp.py")
 
@@ -94,6 +95,29 @@ class Kill:
 
 
 @dataclass
+class StoreFault:
+    """A fault of the membership and rendezvous store (``aegis store serve``) after
+    ``after_step`` is logged: ``"restart"`` (SIGKILLed and started again, empty, on its address:
+    its host lost and brought back by a supervisor) or ``"outage"`` (SIGSTOPped for ``seconds``:
+    connections stay open, nothing is answered). In-process recovery only (``aegis.launch``
+    agents; torchrun's own agents need their rendezvous store). Checked: training goes on
+    through it without a recovery or a new process until the next loss."""
+
+    after_step: int
+    kind: str = "restart"
+    seconds: float = 6.0
+    delay: float = 0.1
+
+
+@dataclass
+class StoreRecord:
+    kind: str
+    t_start: float
+    down_s: float
+    step: int
+
+
+@dataclass
 class KillRecord:
     node: str
     t_kill: float
@@ -115,6 +139,7 @@ class ScenarioResult:
     digests: list[dict[str, Any]]
     events: list[dict[str, Any]]
     checks: list[tuple[str, bool]] = field(default_factory=list)
+    store_faults: list[StoreRecord] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -127,7 +152,7 @@ class ScenarioResult:
 @dataclass
 class Scenario:
     workdir: Path
-    kills: list[Kill]
+    kills: list[Kill | StoreFault]  # in the order they happen
     nodes: int = 3
     steps: int = 14
     replicas: int = 1
@@ -149,9 +174,13 @@ class Scenario:
         faults = work / "faults"
         faults.mkdir(exist_ok=True)
         loss_log, digest_log = work / "loss.jsonl", work / "digest.jsonl"
-        fault_spec = ",".join(k.fault for k in self.kills if k.fault)
-        shrink = any(not k.replace for k in self.kills)
-        lost = sum(1 for k in self.kills if not k.replace)
+        if any(isinstance(k, StoreFault) for k in self.kills) and not self.in_process:
+            raise ValueError("StoreFault: in-process recovery only (torchrun's agents need their "
+                             "rendezvous store)")
+        kills = [k for k in self.kills if isinstance(k, Kill)]
+        fault_spec = ",".join(k.fault for k in kills if k.fault)
+        shrink = any(not k.replace for k in kills)
+        lost = sum(1 for k in kills if not k.replace)
         min_world = max(1, (self.nodes - max(1, lost)) * self.nproc_per_node)
         inproc = ["--in-process", "--min-world", str(min_world)] if self.in_process else []
         cluster = SimCluster(
@@ -163,17 +192,21 @@ class Scenario:
             nodes=self.nodes,
             nproc_per_node=self.nproc_per_node,
             on_worker_failure=self.on_worker_failure,
-            min_nodes=self.nodes - sum(1 for k in self.kills if not k.replace) if shrink else self.nodes,
+            min_nodes=self.nodes - lost if shrink else self.nodes,
             max_nodes=self.nodes,
             job=self.job,
             env={"AEGIS_FAIL_AT": fault_spec, "AEGIS_FAIL_MODE": "pause", "AEGIS_FAULT_DIR": str(faults)}
             if fault_spec else {},
         )
         records: list[KillRecord] = []
+        stores: list[StoreRecord] = []
         deadline = time.monotonic() + self.timeout
         try:
             cluster.start()
             for kill in self.kills:
+                if isinstance(kill, StoreFault):
+                    stores.append(self._store_fault(kill, cluster, loss_log, deadline))
+                    continue
                 node, trigger = self._wait_trigger(kill, cluster, loss_log, faults, deadline)
                 if kill.worker is not None:
                     records.append(self._kill_worker(cluster, node, kill.worker, trigger, deadline))
@@ -208,9 +241,30 @@ class Scenario:
         finally:
             cluster.shutdown()
         result = ScenarioResult(work, codes, records, read_jsonl(loss_log), read_jsonl(digest_log),
-                                read_events(work))
+                                read_events(work), store_faults=stores)
         self._check(result)
         return result
+
+    def _store_fault(self, fault: StoreFault, cluster: SimCluster, loss_log: Path,
+                     deadline: float) -> StoreRecord:
+        while time.monotonic() < deadline:
+            losses = read_jsonl(loss_log)
+            if losses and losses[-1]["step"] >= fault.after_step:
+                break
+            time.sleep(0.01)
+        else:
+            raise TimeoutError(f"step {fault.after_step} was never logged; see {cluster.workdir}")
+        time.sleep(fault.delay)
+        step = read_jsonl(loss_log)[-1]["step"]
+        t = time.time()
+        if fault.kind == "restart":
+            down = cluster.restart_store()
+        elif fault.kind == "outage":
+            cluster.freeze_store(fault.seconds)
+            down = fault.seconds
+        else:
+            raise ValueError(f"StoreFault(kind={fault.kind!r}): 'restart' or 'outage'")
+        return StoreRecord(fault.kind, t, down, step)
 
     def _kill_worker(self, cluster: SimCluster, node: str, local: int, trigger: str,
                      deadline: float) -> KillRecord:
@@ -278,6 +332,18 @@ class Scenario:
     def _check(self, r: ScenarioResult) -> None:
         r.checks.append((f"every agent exited 0: {r.codes}", bool(r.codes) and all(c == 0 for c in r.codes.values())))
         r.checks.append(("training reached the last step", bool(r.losses) and r.losses[-1]["step"] == self.steps))
+        for f in r.store_faults:
+            # until the next loss (or the end): no round ended, no process started, and steps
+            # went on past the one logged at the fault
+            nxt = min((k.t_kill for k in r.kills if k.t_kill > f.t_start), default=float("inf"))
+            during = [e for e in r.events if f.t_start < e["time"] < nxt]
+            ended = [e for e in during if e["event"] in ("recovery", "start")]
+            later = [x["step"] for x in r.losses if f.t_start < x["time"] < nxt]
+            r.checks.append((
+                f"the store's {f.kind} after step {f.step} ({f.down_s:.1f} s without it): training "
+                f"went on to step {max(later, default=f.step)} with no recovery and no new process "
+                f"({len(ended)} recovery/start events)",
+                not ended and max(later, default=f.step) > f.step))
         for i, k in enumerate(r.kills):
             # the state saved at each step by the run that was interrupted (latest before the kill)
             saved = {d["step"]: d["digest"] for d in r.digests
