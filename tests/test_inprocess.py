@@ -421,3 +421,40 @@ def test_rounds_that_end_before_anything_is_saved_are_counted_and_bounded(tmp_pa
     rec = [e for e in evs if e["event"] == "recovery"]
     assert [e["empty_rounds"] for e in rec] == [1, 2, 3], rec
     assert all("empty round" in e["cause"] for e in rec), rec
+
+
+def _failed_creation_then_round(port: int, q: Any) -> None:
+    from aegis.training.inprocess.loop import fresh_group_names
+
+    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                                       timeout=timedelta(seconds=10))
+    names = []
+    for r, world in ((0, 2), (1, 1)):  # round 0 waits for a peer that never comes
+        fresh_group_names()
+        try:
+            torch.distributed.init_process_group(
+                "gloo", store=torch.distributed.PrefixStore(f"aegis/round/{r}/pg", store), rank=0,
+                world_size=world, timeout=timedelta(seconds=2))
+        except Exception as e:  # noqa: BLE001 - the creation that failed part-way
+            names.append(type(e).__name__)
+            continue
+        names.append(torch.distributed.group.WORLD.group_name)
+        torch.distributed.destroy_process_group()
+    q.put(names)
+
+
+def test_a_round_after_a_failed_creation_names_its_default_group_as_its_peers() -> None:
+    """A creation of a round's default group that failed part-way (its peer never came) took a
+    group name from torch's process-wide counter and left no group whose destruction resets
+    it: the next round's default group was named "1" here and "0" on a process that had not
+    failed, so their rendezvous keys never met (the chaos campaign: 23 rounds in a row that
+    timed out at create_timeout). run_in_process resets the counter before each creation."""
+    store = torch.distributed.TCPStore("127.0.0.1", free_port(), is_master=True,
+                                       wait_for_workers=False, timeout=timedelta(seconds=10))
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_failed_creation_then_round, args=(store.port, q))
+    p.start()
+    names = q.get(timeout=120)
+    p.join(30)
+    assert names[0] != "0" and names[1] == "0", names

@@ -192,6 +192,22 @@ def _connect_within(timeout: timedelta) -> Any:
     return value
 
 
+def fresh_group_names() -> None:
+    """Before a round creates its default group: name it as every peer will. torch names a
+    group without an explicit name by a process-wide counter (``_world.group_count``; the
+    default group takes it too), and only ``destroy_process_group()`` of the default group
+    resets it. A creation that failed part-way (a member lost, its fence, ``create_timeout``)
+    took a name and left no group to destroy, so this process's next default group was named
+    "1/" while a peer's was "0/": their rendezvous keys never met and every later round timed
+    out at ``create_timeout`` (seen in the chaos campaign: 23 rounds of 6, 10.5 s apart, after a
+    double kill). No group exists here: reset the counter."""
+    if dist.is_initialized():
+        return
+    from torch.distributed.distributed_c10d import _world
+
+    _world.group_count = 0
+
+
 def _run_round(train: Callable[[World], Any], world: World) -> Any:
     """``train(world)`` in a thread of its own, one per round. A DeviceMesh compares equal to an
     earlier round's mesh of the same shape unless it was made in another thread (equality looks
@@ -388,6 +404,7 @@ def run_in_process(
             Round.creating = True
             _fault.hit("group", r, rank)
             try:
+                fresh_group_names()
                 before = _sockets.my_sockets()
                 pg_store = _connect_within(create_timeout)
                 ab.rendezvous(_sockets.connected_to(
@@ -410,6 +427,12 @@ def run_in_process(
                 teardown(ab, members)
                 timings = {"teardown_s": time.perf_counter() - td}
                 previous, restarts, r = members, restarts + 1, r + 1
+                empty += 1  # a round without a trained step: counted and bounded as below
+                extra = {"backend": backend, "empty_rounds": empty, **cuda_memory()}
+                if empty > max_empty_rounds:
+                    raise RecoveryGaveUp(
+                        f"{empty} rounds in a row ended before the training function saved "
+                        f"anything (the last: {cause}); restarting the process") from e
                 continue
             Round.saves = 0
             Round.create_timeout = create_timeout
