@@ -458,6 +458,49 @@ def test_a_watcher_declares_only_in_its_running_round_or_after_it(store: dist.TC
         quiet.stop()
 
 
+def test_a_fence_that_cannot_reach_the_store_is_tried_again_and_creation_waits_longer(
+        store: dist.TCPStore) -> None:
+    """A fence needs the dead member's published sockets, from the store; right after a store
+    restart that read can fail, and the fence was then never tried again (the chaos campaign: a
+    frozen member fenced 11 s late, at the collective's timeout). Now the heartbeat tries again
+    at its next beat. And while the round's groups are created a silent member is declared only
+    after CREATING_SILENT_S (2 s), not dead_after_s."""
+    from aegis.training.inprocess.membership import CREATING_SILENT_S
+
+    client = dist.TCPStore("127.0.0.1", store.port, is_master=False, wait_for_workers=False,
+                           timeout=timedelta(seconds=30))
+    tries: list[float] = []
+
+    def fence(u: str) -> int:
+        tries.append(time.monotonic())
+        if len(tries) == 1:
+            raise ConnectionError("the membership store is unreachable (synthetic)")
+        return 1
+
+    creating = threading.Event()
+    creating.set()
+    watcher = Heartbeat("nw/0/2", 0.1, timedelta(seconds=30), dead_after_s=0.5, store=client,
+                        fence=fence, fenceable=lambda u: True, creating=creating.is_set,
+                        start=False)
+    quiet = Heartbeat("nq/0/2", 0.1, timedelta(seconds=30), store=client, start=False)  # no beats
+    try:
+        watcher.follow(["nw/0/2", "nq/0/2"], 0)
+        t0 = time.monotonic()
+        while not watcher.declarations:
+            assert watcher.tick()
+            assert time.monotonic() - t0 < 10
+            time.sleep(0.1)
+        assert watcher.declarations[0][1] >= CREATING_SILENT_S, watcher.declarations
+        assert len(tries) == 1 and not watcher.fences  # the first fence failed
+        assert watcher.tick()
+        assert len(tries) == 2 and [f[0] for f in watcher.fences] == ["nq/0/2"]
+        assert watcher.tick()
+        assert len(tries) == 2  # fenced once it worked, not again
+    finally:
+        watcher.stop()
+        quiet.stop()
+
+
 def test_a_member_whose_beats_pause_is_fenced_but_stays_in_the_next_round(
         store: dist.TCPStore) -> None:
     """A member's heartbeat held back for longer than dead_after_s (a GC pause) while another

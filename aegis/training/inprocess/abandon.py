@@ -71,7 +71,8 @@ class Abandon(abc.ABC):
         """``uid`` (a member of the running round) has been silent for ``dead_after_s``: make
         every collective of this process that waits on it fail now. Called from the heartbeat
         thread while the round's thread may be blocked in a collective. Returns how many
-        connections or communicators were cut."""
+        connections or communicators were cut; raises if it could not tell what to cut yet
+        (the membership store unreachable): the heartbeat fences again at its next beat."""
 
     @abc.abstractmethod
     def leave(self, members: list[str]) -> None:
@@ -131,12 +132,16 @@ class GlooAbandon(Abandon):
         with contextlib.suppress(Exception):
             self.store.set(self._key(self.uid), json.dumps(_sockets.opened_since(self.baseline)))
 
-    def _info(self, uid: str) -> dict[str, Any] | None:
+    def _info(self, uid: str, *, strict: bool = False) -> dict[str, Any] | None:
+        """``uid``'s published sockets of this round; None if it published none. The store
+        unreachable: None, or (``strict``) the error, for a fence to be tried again."""
         try:
             if not self.store.check([self._key(uid)]):
                 return None
             info = json.loads(self.store.get(self._key(uid)).decode())
         except Exception:  # noqa: BLE001 - the store away: the group's timeout remains
+            if strict:
+                raise
             return None
         return info if isinstance(info, dict) else None
 
@@ -146,7 +151,9 @@ class GlooAbandon(Abandon):
         connection to the round's rendezvous (a creation of groups waiting for ``uid``'s
         address, the default group's or a later one's, fails now: the round is over anyway)."""
         cut = _sockets.shutdown_where_inode(self.rdv) if self.rdv else 0
-        info = self._info(uid) if self.store is not None else None
+        # the store unreachable (just restarted, say): raised, and the heartbeat fences again at
+        # its next beat (the member's sockets are only known from the store)
+        info = self._info(uid, strict=True) if self.store is not None else None
         if info is None:
             return cut
         listen = [_sockets.split(e) for e in info.get("listen_eps", [])]

@@ -45,7 +45,14 @@ from aegis.training.inprocess.round import (
     set_in_process_round,
     take_managers,
 )
-from aegis.training.inprocess.storeclient import BASE_ROUND, StoreClient, StoreRestarted, reseed
+from aegis.training.inprocess.storeclient import (
+    BASE_ROUND,
+    CONNECT_S,
+    StoreClient,
+    StoreRestarted,
+    is_store_failure,
+    reseed,
+)
 
 JOIN_COUNT = "aegis/join/count"  # registrations to join (membership._register)
 
@@ -174,10 +181,20 @@ def _connect_within(timeout: timedelta) -> Any:
     box: list[tuple[bool, Any]] = []
 
     def connect() -> None:
-        try:
-            box.append((True, store_from_env(timeout)))
-        except BaseException as e:  # noqa: BLE001 - handed to the caller
-            box.append((False, e))
+        # attempts of CONNECT_S (one begun while the store was down must not outlast its
+        # return by long), until the timeout; the client then waits up to the timeout for a key
+        deadline = time.monotonic() + timeout.total_seconds()
+        while True:
+            try:
+                raw = store_from_env(timedelta(seconds=CONNECT_S))
+                raw.set_timeout(timeout)
+                box.append((True, raw))
+                return
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                if time.monotonic() + CONNECT_S > deadline or not is_store_failure(e):
+                    box.append((False, e))
+                    return
+            time.sleep(0.1)
 
     # a daemon thread: one blocked for good must not keep the process from exiting
     t = threading.Thread(target=connect, name="aegis-pg-store", daemon=True)

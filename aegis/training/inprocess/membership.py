@@ -464,7 +464,12 @@ class Heartbeat:
                 if self._log != log or uid in self._fenced:
                     continue
                 self._fenced.add(uid)
-            n = self._fence(uid)
+            try:
+                n = self._fence(uid)
+            except Exception:  # noqa: BLE001 - its sockets unknown (the store away): next beat
+                with self._lock:
+                    self._fenced.discard(uid)
+                continue
             self.fences.append((uid, self.silent_for(uid), n))
 
     def _run(self) -> None:

@@ -9,7 +9,7 @@ a connect to it hung the same way. :class:`StoreClient` wraps one client:
 * every request runs on a worker thread of the client and is waited for with a bound (the
   request's own timeout, for ``get`` and ``wait``, plus ``request_s``); a request past it
   abandons that client (its thread stays blocked until the store answers or the process ends)
-  and the next request reconnects;
+  and the next request reconnects, in attempts of ``CONNECT_S`` (2 s) each;
 * a request that fails on the connection reconnects and is sent again, with a growing pause,
   until ``outage_s`` has passed since the first failure: then :class:`StoreUnreachable` (a
   :class:`~.round.RecoveryGaveUp`: the process exits and its launcher restarts it, to restore
@@ -52,6 +52,14 @@ EPOCH = "aegis/epoch"
 BASE_ROUND = "aegis/base_round"  # the round a store re-seeded after a restart starts from
 
 QUICK_S = 3.0  # the bound on a request that runs beside training (StoreClient.once)
+# One connect attempt: c10d retries a refused connect until its timeout, then may sleep a
+# backoff (measured: a 2 s timeout returns after ~3 s, a 10 s one after ~15 s). An attempt
+# begun while the store was down must not outlast its return by long: the heartbeat, whose
+# thread makes the attempt, stayed blind for 11 s after a store restart in the chaos campaign
+# (a frozen member fenced that much later). Short attempts, retried.
+CONNECT_S = 2.0
+# After a failure, what runs beside training (once) tries to reconnect at most this often
+RETRY_S = 1.0
 
 # requests whose own timeout bounds how long they may wait on the server
 _WAITING = ("get", "wait", "multi_get")
@@ -120,8 +128,8 @@ class StoreClient:
     """One membership store client that reconnects (see the module). ``connect(timeout)``
     makes a raw c10d client that gives up connecting after ``timeout`` (a timedelta; a store
     that is down is retried by c10d for that long); the client's own timeout is then set to
-    ``timeout_s``, which bounds a ``get`` of a missing key. ``request_s`` bounds a connect and
-    every other request."""
+    ``timeout_s``, which bounds a ``get`` of a missing key. A connect attempt is given
+    ``CONNECT_S`` (or ``request_s``, if shorter); ``request_s`` bounds every other request."""
 
     def __init__(self, connect: Callable[[timedelta], Any], *, timeout_s: float,
                  request_s: float = 10.0,
@@ -164,13 +172,15 @@ class StoreClient:
         self._generation += 1
         pool = _Worker(f"aegis-store-{self._generation}")
 
+        attempt = min(CONNECT_S, self.request_s)
+
         def connect() -> Any:
-            raw = self._connect(timedelta(seconds=self.request_s))
+            raw = self._connect(timedelta(seconds=attempt))
             raw.set_timeout(timedelta(seconds=self.timeout_s))
             return raw
 
         try:
-            store = self._bounded(pool, connect, self.request_s + 1.0)
+            store = self._bounded(pool, connect, 1.5 * attempt + 1.0)
         except BaseException:
             pool.stop()
             raise
@@ -266,10 +276,11 @@ class StoreClient:
     def once(self, name: str, *args: Any, **kwargs: Any) -> Any:
         """One attempt bounded by ``quick_s`` (``QUICK_S``, or ``request_s`` if shorter),
         never retried: what runs beside training (a teardown reading its peers' ports, a
-        fence) must not wait out an outage. Within ``request_s`` of a failure it fails at once
+        fence) must not wait out an outage. Within ``RETRY_S`` of a failure it fails at once
         (no reconnect per request)."""
         with self._lock:
-            if self._store is None and time.monotonic() - self.failed_at < self.request_s:
+            if self._store is None and time.monotonic() - self.failed_at < min(RETRY_S,
+                                                                                self.request_s):
                 raise ConnectionError(f"the {self.name} is unreachable ({self.last_failure})")
         # a get here reads a key known to exist (its caller checks first): bounded as short
         bound = None if name == "wait" else min(QUICK_S, self.request_s)
