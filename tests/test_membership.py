@@ -742,3 +742,65 @@ def test_a_thousand_members_form_a_round_and_agree_after_a_lost_node() -> None:
         assert server.stdin is not None
         server.stdin.close()
         server.wait(10)
+
+
+def test_after_a_store_restart_members_not_back_yet_are_not_declared() -> None:
+    """The store restarted empty: a watcher whose client is back first finds no counter for a
+    member that has not reconnected yet. That member counts as just seen (dead only after
+    dead_after_s + BLIND_GRACE_S of looks), not as silent since its last beat before the
+    outage: it was declared at once (the chaos campaign: 3 live members declared together
+    right after a restart, and the next round took 12 s to form)."""
+    from aegis.training.inprocess.membership import BLIND_GRACE_S
+    from aegis.training.inprocess.storeclient import StoreRestarted
+
+    def server() -> dist.TCPStore:
+        return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                             timeout=timedelta(seconds=30))
+
+    class Client:  # the heartbeat's client: after restart() the new server, StoreRestarted once
+        def __init__(self, s: dist.TCPStore) -> None:
+            self.s, self.restarted = s, False
+
+        def restart(self, s: dist.TCPStore) -> None:
+            self.s, self.restarted = s, True
+
+        def __getattr__(self, name: str) -> Any:
+            if self.restarted:
+                self.restarted = False
+                raise StoreRestarted("synthetic restart")
+            return getattr(self.s, name)
+
+    old = server()
+    wc, mc = Client(old), Client(old)
+    watcher = Heartbeat("nw/0/3", 0.1, timedelta(seconds=30), dead_after_s=0.5, store=wc,
+                        fence=lambda u: 0, fenceable=lambda u: True, start=False)
+    member = Heartbeat("nm/0/3", 0.1, timedelta(seconds=30), store=mc, start=False)
+    try:
+        watcher.follow(["nw/0/3", "nm/0/3"], 0)
+        for _ in range(5):
+            member.tick()
+            watcher.tick()
+            time.sleep(0.1)
+        time.sleep(1.0)  # the store is down: nobody beats
+        new = server()
+        wc.restart(new)
+        mc.restart(new)
+        assert not watcher.tick()  # finds the restart
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 0.5 + BLIND_GRACE_S - 0.5:  # the member is not back yet
+            watcher.tick()
+            time.sleep(0.1)
+        assert not watcher.declarations, watcher.declarations
+        member.tick()  # back (its first beat finds the restart)
+        for _ in range(5):
+            member.tick()
+            watcher.tick()
+            time.sleep(0.1)
+        assert not watcher.declarations, watcher.declarations
+        for _ in range(12):  # now it stops for good: declared after dead_after_s
+            watcher.tick()
+            time.sleep(0.1)
+        assert [d[0] for d in watcher.declarations] == ["nm/0/3"]
+    finally:
+        watcher.stop()
+        member.stop()

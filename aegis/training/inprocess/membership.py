@@ -413,9 +413,15 @@ class Heartbeat:
                     else:
                         self._seen[u] = (*last[:2], now)
             if blind:
+                # a member without a counter now (the store restarted empty and it has not
+                # beaten since) counts as just seen too, not as silent since its last beat
+                # before the outage: a watcher whose client reconnected first declared every
+                # member that had not yet (the chaos campaign: 3 live members declared dead at
+                # once after a store restart, a 12 s formation)
+                seen = set(read)
                 for u in targets:
                     last = self._seen.get(u)
-                    if last is not None and last[0] == -1:
+                    if last is not None and (last[0] == -1 or u not in seen):
                         self._seen[u] = (-1, now + BLIND_GRACE_S, now)
             for u in targets:  # looked at, found no counter: that is a look too
                 last = self._seen.get(u)
