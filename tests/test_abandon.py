@@ -7,7 +7,9 @@ Real ranks (separate processes), real process groups, a real TCPStore for what t
    peer's pending collective with it fail at once, not at the group's timeout;
 2. *fence*: a process whose peer went silent (here: never enters the collective) fences it off
    from another thread, and its own pending collective fails at once;
-3. after either, every process forms a new group from the store and its collectives work.
+3. after either, every process forms a new group from the store and its collectives work;
+4. a fence works without the silent peer's published sockets (the store restarted empty and
+   lost them): the fencing process shuts its own connections of the round down.
 
 Parametrized over the implementations this machine can run: gloo always; NCCL needs two GPUs
 (one GPU cannot host two NCCL ranks), so on a CPU machine it is not generated, not skipped.
@@ -92,9 +94,11 @@ def _case(rank: int, world: int, port: int, backend: str, how: str) -> dict[str,
         Round.thread = threading.current_thread()
         Round.active = True
         Round.members = members
-        if how == "fence":
+        if how in ("fence", "fence-store-lost"):
             def fence_later() -> None:
                 time.sleep(1.0)
+                if how == "fence-store-lost":  # restarted empty: p0's published sockets gone
+                    store.delete_key("aegis/round/0/ports/p0")
                 out["cut"] = ab.fence("p0")
             threading.Thread(target=fence_later, daemon=True).start()
         t0 = time.monotonic()
@@ -107,7 +111,7 @@ def _case(rank: int, world: int, port: int, backend: str, how: str) -> dict[str,
             out["error"] = f"{type(e).__name__}: {str(e)[:200]}"
         out["failed_after_s"] = time.monotonic() - t0
         Round.active = False
-        if how == "fence":
+        if how != "leave":
             store.set("fenced", "1")
         ab.leave(members)
     out["reformed_sum"] = _reform(store, backend, rank, world, 1)
@@ -115,7 +119,7 @@ def _case(rank: int, world: int, port: int, backend: str, how: str) -> dict[str,
 
 
 @pytest.mark.parametrize("backend", _backends())
-@pytest.mark.parametrize("how", ["leave", "fence"])
+@pytest.mark.parametrize("how", ["leave", "fence", "fence-store-lost"])
 def test_abandon_contract(backend: str, how: str) -> None:
     import torch.distributed as dist
 
@@ -127,7 +131,7 @@ def test_abandon_contract(backend: str, how: str) -> None:
           f"({blocked['error']})")
     assert blocked["error"] is not None, "the collective with the leaving/silent peer completed"
     assert blocked["failed_after_s"] < PROMPT_S, blocked
-    if how == "fence":
+    if how != "leave":
         assert blocked["cut"] > 0, "fence() cut nothing"
     assert [r["reformed_sum"] for r in res] == [8.0, 8.0]
 

@@ -110,11 +110,13 @@ class GlooAbandon(Abandon):
         self.uid = ""
         self.baseline: frozenset[int] = frozenset()
         self.rdv: frozenset[int] = frozenset()
+        self.mine: dict[str, Any] = {}  # what this process last published for the round
 
     def begin(self, store: Any, r: int, uid: str) -> None:
         self.store, self.r, self.uid = store, r, uid
         self.baseline = frozenset(_sockets.my_sockets())
         self.rdv = frozenset()
+        self.mine = {}
 
     def rendezvous(self, inodes: frozenset[int]) -> None:
         self.rdv = inodes
@@ -129,8 +131,9 @@ class GlooAbandon(Abandon):
         connections it holds (a peer fencing this process off shuts those down)."""
         if self.store is None:
             return
+        self.mine = _sockets.opened_since(self.baseline)
         with contextlib.suppress(Exception):
-            self.store.set(self._key(self.uid), json.dumps(_sockets.opened_since(self.baseline)))
+            self.store.set(self._key(self.uid), json.dumps(self.mine))
 
     def _info(self, uid: str, *, strict: bool = False) -> dict[str, Any] | None:
         """``uid``'s published sockets of this round; None if it published none. The store
@@ -151,11 +154,15 @@ class GlooAbandon(Abandon):
         connection to the round's rendezvous (a creation of groups waiting for ``uid``'s
         address, the default group's or a later one's, fails now: the round is over anyway)."""
         cut = _sockets.shutdown_where_inode(self.rdv) if self.rdv else 0
-        # the store unreachable (just restarted, say): raised, and the heartbeat fences again at
-        # its next beat (the member's sockets are only known from the store)
-        info = self._info(uid, strict=True) if self.store is not None else None
+        try:
+            info = self._info(uid, strict=True) if self.store is not None else None
+        except Exception:  # noqa: BLE001 - the store unreachable: as if it published nothing
+            info = None
         if info is None:
-            return cut
+            # its sockets unknown: it never published them, or the store lost them (restarted
+            # empty: a frozen member fenced 10 s late in the chaos campaign, when it woke up).
+            # The round is over for this process anyway: shut down its own connections of it
+            return cut + self._cut_mine()
         listen = [_sockets.split(e) for e in info.get("listen_eps", [])]
         local = {_sockets.split(e) for e in info.get("local", [])}
 
@@ -165,6 +172,17 @@ class GlooAbandon(Abandon):
                 rport == port and (ip == rip or _sockets.any_ip(ip)) for ip, port in listen)
 
         return cut + _sockets.shutdown_where(match)
+
+    def _cut_mine(self) -> int:
+        """Shut down this process's own connections of the round, as it last published them
+        (the connections it opened, and those accepted on its listening ports), from what it
+        keeps here: no store needed."""
+        local = set(self.mine.get("local", []))
+        listen = set(self.mine.get("listen", []))
+        if not local and not listen:
+            return 0
+        return _sockets.shutdown_where(
+            lambda lep, rep: lep in local or _sockets.split(lep)[1] in listen)
 
     def _round_ports(self, members: list[str]) -> set[int]:
         ports: set[int] = set()
@@ -185,6 +203,8 @@ class GlooAbandon(Abandon):
     def leave(self, members: list[str]) -> None:
         with contextlib.suppress(Exception):
             self.cut(members)
+        with contextlib.suppress(Exception):  # and its own, should the store have lost them
+            self._cut_mine()
         if dist.is_initialized():
             from torch.distributed.distributed_c10d import _world
 
