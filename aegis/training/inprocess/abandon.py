@@ -137,7 +137,7 @@ class GlooAbandon(Abandon):
 
     def _info(self, uid: str, *, strict: bool = False) -> dict[str, Any] | None:
         """``uid``'s published sockets of this round; None if it published none. The store
-        unreachable: None, or (``strict``) the error, for a fence to be tried again."""
+        unreachable: None, or (``strict``) the error."""
         try:
             if not self.store.check([self._key(uid)]):
                 return None

@@ -191,8 +191,8 @@ class Heartbeat:
     a member of its running round (``fenceable``) in the log hands it to ``fence`` (the round's
     ``Abandon``), so the detector's finding reaches every process that holds connections to
     the dead member (or waits for its address while the round's groups are created,
-    ``creating``: then after ``CREATING_SILENT_S`` silent at least) within one more interval: detection within ``dead_after_s`` + 3 intervals of
-    the last beat. Nothing is declared or fenced in a beat whose store requests failed: a
+    ``creating``: then after ``CREATING_SILENT_S`` silent at least) within one more interval:
+    detection within ``dead_after_s`` + 3 intervals of the last beat. Nothing is declared or fenced in a beat whose store requests failed: a
     process that cannot reach the store (it is the one cut off) fences nobody."""
 
     def __init__(self, uid: str, interval_s: float, timeout: timedelta, *,
