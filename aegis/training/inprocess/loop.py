@@ -209,6 +209,16 @@ def _connect_within(timeout: timedelta) -> Any:
     return value
 
 
+def _empty_rounds(empty: int, bound: int, backend: str, cause: str | None) -> dict[str, Any]:
+    """``empty`` rounds in a row ended before the training function saved anything (a failed
+    group creation counts too): past ``bound`` the process gives up (its launcher restarts it);
+    else what the next ``recovery`` event records beside the round's timings."""
+    if empty > bound:
+        raise RecoveryGaveUp(f"{empty} rounds in a row ended before the training function saved "
+                             f"anything (the last: {cause}); restarting the process")
+    return {"backend": backend, "empty_rounds": empty, **cuda_memory()}
+
+
 def fresh_group_names() -> None:
     """Before a round creates its default group: name it as every peer will. torch names a
     group without an explicit name by a process-wide counter (``_world.group_count``; the
@@ -444,12 +454,8 @@ def run_in_process(
                 teardown(ab, members)
                 timings = {"teardown_s": time.perf_counter() - td}
                 previous, restarts, r = members, restarts + 1, r + 1
-                empty += 1  # a round without a trained step: counted and bounded as below
-                extra = {"backend": backend, "empty_rounds": empty, **cuda_memory()}
-                if empty > max_empty_rounds:
-                    raise RecoveryGaveUp(
-                        f"{empty} rounds in a row ended before the training function saved "
-                        f"anything (the last: {cause}); restarting the process") from e
+                empty += 1  # a round without a trained step
+                extra = _empty_rounds(empty, max_empty_rounds, backend, cause)
                 continue
             Round.saves = 0
             Round.create_timeout = create_timeout
@@ -495,11 +501,7 @@ def run_in_process(
             # a round that ended before train() saved anything: counted, logged with its cause
             # (the recovery event's empty_rounds), and bounded
             empty = empty + 1 if Round.saves == 0 else 0
-            extra = {"backend": backend, "empty_rounds": empty, **cuda_memory()}
-            if empty > max_empty_rounds:
-                raise RecoveryGaveUp(
-                    f"{empty} rounds in a row ended before the training function saved anything "
-                    f"(the last: {cause}); restarting the process")
+            extra = _empty_rounds(empty, max_empty_rounds, backend, cause)
             previous = members
             restarts += 1
             r += 1
