@@ -23,7 +23,7 @@ from aegis.errors import AegisError, CollectiveError, SnapshotTimeoutError
 
 T = TypeVar("T")
 
-__all__ = ["Group", "new_snapshot_group", "node_id"]
+__all__ = ["Group", "arrive", "creation_timeout", "new_snapshot_group", "node_id"]
 
 _SAME_TYPE: dict[str, type[AegisError]] = {
     c.__name__: c
@@ -48,22 +48,56 @@ def node_id() -> str:
     return os.environ.get("AEGIS_NODE_ID") or socket.gethostname()
 
 
+# gloo waits this many times a group's timeout for a pair's first connection (its tcp pair's
+# waitUntil, "a longer timeout when waiting for initial connect"). Measured here (torch 2.13): a
+# group created with a 2 s timeout, whose peer had published its address and then died, failed
+# after 10.0 s; a snapshot group created with a 6 s timeout held a chaos campaign's survivors
+# for 30 s (seed 17, fault 12).
+GLOO_CONNECT_WAITS = 5
+
+
+def creation_timeout(bound: timedelta) -> timedelta:
+    """The timeout to create a gloo group with, so that its creation ends within ``bound`` even
+    when a member published its address and died before connecting (no fence can end that
+    wait: there is no socket yet to shut down). At least 1 s: the members' addresses are
+    exchanged under it too, after :func:`arrive`."""
+    return max(bound / GLOO_CONNECT_WAITS, timedelta(seconds=1))
+
+
+def arrive(store: Any, key: str, world: int, timeout: timedelta) -> None:
+    """Wait until ``world`` processes arrived at ``key`` (a counter in ``store``), for at most
+    ``timeout``; raises the store's error otherwise. Before a group is created in an in-process
+    round: the members then create it together, so a member lost before it arrives is waited
+    for here, on a store connection a fence shuts down (the next round forms at once), not in
+    the group's connects, which nothing can end before their timeout. Two requests and one wait
+    per process, whatever the world size (the last to arrive sets the key the others wait
+    for)."""
+    if int(store.add(key, 1)) >= world:
+        store.set(f"{key}/all", b"1")
+    store.wait([f"{key}/all"], timeout)
+
+
 def new_snapshot_group(timeout: timedelta, create_timeout: timedelta | None = None
                        ) -> dist.ProcessGroup | None:
     """A dedicated gloo group for snapshot traffic. Collective: every rank calls it once.
 
     Snapshot traffic never shares the training group: DCP on the default group was measured to
-    corrupt concurrent training collectives. ``create_timeout`` (in-process recovery): the group's
-    rendezvous waits at most that long for every rank's address (a rank lost meanwhile), then its
-    collectives get ``timeout``.
+    corrupt concurrent training collectives. ``create_timeout`` (in-process recovery): the ranks
+    first :func:`arrive` together (on the default group's store, fenced), then create the group
+    with :func:`creation_timeout`, so that its creation ends within ``create_timeout`` whoever is
+    lost meanwhile; its collectives then get ``timeout``.
     """
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    if create_timeout is None or create_timeout >= timeout:
+    if create_timeout is None:
         return dist.new_group(backend="gloo", timeout=timeout)
-    from torch.distributed.distributed_c10d import _set_pg_timeout
+    from torch.distributed.distributed_c10d import _set_pg_timeout, _world
 
-    pg = dist.new_group(backend="gloo", timeout=create_timeout)
+    store = _default_store()
+    if store is not None:  # the next group's number: the same on every rank (torch names it so)
+        arrive(store, f"aegis/create/{_world.group_count}", dist.get_world_size(),
+               create_timeout)
+    pg = dist.new_group(backend="gloo", timeout=min(creation_timeout(create_timeout), timeout))
     _set_pg_timeout(timeout, pg)
     return pg
 

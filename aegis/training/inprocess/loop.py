@@ -23,7 +23,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from aegis import _fault
+from aegis import _dist, _fault
 from aegis._dist import node_id
 from aegis.errors import ConfigError
 from aegis.training.inprocess import _sockets
@@ -323,9 +323,13 @@ def run_in_process(
     world (:mod:`.membership`). ``backend``: ``"gloo"`` (CPU, or CUDA tensors over
     gloo), ``"nccl"`` or ``"cpu:gloo,cuda:nccl"`` (see :func:`check_nccl_env` for the NCCL
     environment it checks). ``create_timeout``: the bound on creating a round's process groups
-    (their rendezvous waits, through the store, for every member's address: a member lost
-    meanwhile would hold the others for ``form_timeout`` otherwise); the round then fails like
-    any other and the next one forms. ``max_empty_rounds``: rounds in a row that end before the
+    (the default group here, the Manager's snapshot groups in the training function): the
+    members first arrive together through the store (a member lost before then is fenced and
+    the wait ends at once), then create the group under a fifth of it (gloo waits 5x a group's
+    timeout for a pair's first connection, a wait no fence can end: a member lost between
+    publishing its address and connecting); the round then fails like any other and the next
+    one forms. Groups the training function creates itself are not bounded by it: give them
+    a timeout of their own. ``max_empty_rounds``: rounds in a row that end before the
     training function saved anything (each is counted and logged with its cause in the
     ``recovery`` event) before this process gives up and restarts. ``store_outage``: how long
     a membership step (forming a round, joining, admitting) keeps reconnecting to a membership
@@ -436,11 +440,16 @@ def run_in_process(
                 pg_store = _connect_within(create_timeout)
                 ab.rendezvous(_sockets.connected_to(
                     store_address()[1], set(_sockets.my_sockets()) - set(before)))
-                # created with create_timeout (the rendezvous waits for every member's address
-                # under the group's timeout), then given collective_timeout for its collectives
+                # the members arrive together (a loss before then: its fence cuts this wait),
+                # then create the group under a timeout that bounds its creation by
+                # create_timeout even when a member dies between publishing its address and
+                # connecting (gloo waits 5x the timeout for a pair's first connection, and no
+                # fence can end that wait), then give it collective_timeout for its collectives
+                _dist.arrive(pg_store, f"aegis/round/{r}/arrived", len(members), create_timeout)
                 dist.init_process_group(
                     backend, store=dist.PrefixStore(f"aegis/round/{r}/pg", pg_store), rank=rank,
-                    world_size=len(members), timeout=min(create_timeout, collective_timeout))
+                    world_size=len(members),
+                    timeout=min(_dist.creation_timeout(create_timeout), collective_timeout))
                 from torch.distributed.distributed_c10d import _set_pg_timeout
 
                 _set_pg_timeout(collective_timeout)

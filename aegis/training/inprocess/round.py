@@ -165,5 +165,7 @@ def is_peer_failure(e: BaseException) -> bool:
                "timeout", "socket closed", "no route to host", "connection refused",
                "read error", "write error", "gloo", "nccl error", "ncclremoteerror",
                "ncclsystemerror", "ncclinternalerror", "communicator was aborted",
-               "has been aborted", "was aborted")
+               "has been aborted", "was aborted",
+               # a c10d store connection shut down (a fence cuts the round's rendezvous one)
+               "connection was likely closed")
     return isinstance(e, RuntimeError | OSError) and any(m in text for m in markers)
