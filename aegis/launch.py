@@ -154,11 +154,20 @@ class _StoreTolerantRendezvous:
     is away, or for good once it was restarted (its client's connection is broken): the agent
     exited and took its healthy workers with it (the chaos campaign's ``store_restart``, issue
     25). With in-process recovery, nodes join through the membership store, never through a
-    re-rendezvous, so nothing is lost by not counting them here."""
+    re-rendezvous, so nothing is lost by not counting them here.
 
-    def __init__(self, handler: Any) -> None:
+    While the store is away, the c10d backend's client is replaced once the store listens again
+    (:meth:`_reconnect`, at most every ``RECONNECT_S``): a c10d client whose connection broke
+    fails at every later request, so the handler's keep-alive thread logged a failed heartbeat
+    and a broken-pipe traceback every second for the rest of the job."""
+
+    RECONNECT_S = 2.0
+
+    def __init__(self, handler: Any, endpoint: str = "") -> None:
         self._handler = handler
+        self._endpoint = endpoint
         self._away = False
+        self._tried = 0.0
 
     def num_nodes_waiting(self) -> int:
         from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
@@ -170,9 +179,48 @@ class _StoreTolerantRendezvous:
                 _say(f"the rendezvous store is unreachable ({str(e.__cause__ or e)[:120]}); the "
                      "workers go on (in-process recovery admits nodes through the membership store)")
             self._away = True
+            if time.monotonic() - self._tried >= self.RECONNECT_S:
+                self._tried = time.monotonic()
+                if self._reconnect():
+                    _say("the rendezvous store is back: its client reconnected")
             return 0
         self._away = False
         return n
+
+    def _backend(self) -> Any:
+        """The c10d rendezvous backend under the handler (torch internals: None if absent)."""
+        holder = getattr(self._handler, "_state_holder", None)
+        backend = getattr(holder, "_backend", None)
+        if backend is None or not hasattr(backend, "_store") or not hasattr(backend, "_key"):
+            return None
+        return backend
+
+    def _reconnect(self) -> bool:
+        """A new client of the rendezvous store for the c10d backend, once the store listens
+        (a plain TCP connect first: refused at once while it is down, where a c10d connect would
+        block this monitor loop for its whole timeout). A store restarted empty gets the
+        backend's empty state back (as the backend's constructor writes it). True if done."""
+        import socket
+        from datetime import timedelta
+
+        import torch.distributed as dist
+        from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+        backend = self._backend()
+        if backend is None or not isinstance(backend._store, dist.TCPStore) or not self._endpoint:
+            return False
+        try:
+            host, port = parse_rendezvous_endpoint(self._endpoint, default_port=29400)
+            with socket.create_connection((host, port), timeout=1.0):
+                pass
+            store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                                  timeout=timedelta(seconds=5))
+            store.compare_set(backend._key, "", backend._NULL_SENTINEL)
+        except Exception:  # noqa: BLE001 - still away: tried again later
+            return False
+        store.set_timeout(getattr(backend._store, "timeout", timedelta(seconds=60)))
+        backend._store = store
+        return True
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._handler, name)
@@ -201,7 +249,8 @@ def launch(config: LaunchConfig, entrypoint: str, args: list[str], *, on_worker_
         duplicate_stderr_filters=config.duplicate_stderr_filters,
         virtual_local_rank=config.virtual_local_rank)
     if on_worker_failure != "restart":
-        spec.rdzv_handler = _StoreTolerantRendezvous(spec.rdzv_handler)  # type: ignore[assignment]
+        spec.rdzv_handler = _StoreTolerantRendezvous(  # type: ignore[assignment]
+            spec.rdzv_handler, config.rdzv_endpoint if config.rdzv_backend == "c10d" else "")
     agent = InProcessAgent(
         spec=spec, logs_specs=config.logs_specs, start_method=config.start_method,  # type: ignore[arg-type]
         log_line_prefix_template=config.log_line_prefix_template,

@@ -109,6 +109,10 @@ class StoreFault:
     delay: float = 0.1
 
 
+# torchelastic's warning for a keep-alive its rendezvous handler could not write to the store
+KEEP_ALIVE_FAILED = "has failed to send a keep-alive heartbeat"
+
+
 @dataclass
 class StoreRecord:
     kind: str
@@ -344,6 +348,19 @@ class Scenario:
                 f"went on to step {max(later, default=f.step)} with no recovery and no new process "
                 f"({len(ended)} recovery/start events)",
                 not ended and max(later, default=f.step) > f.step))
+        if any(f.kind == "restart" for f in r.store_faults):
+            # an agent whose rendezvous client broke at the restart gets a new one once the store
+            # listens again; then its keep-alive stops failing (before: a failed keep-alive and a
+            # broken-pipe traceback every second for the rest of the job)
+            broke = {p.stem: p.read_text(errors="replace") for p in sorted(r.workdir.glob("node-*.log"))}
+            broke = {n: t for n, t in broke.items()  # the nodes still in the job at its end
+                     if n in r.codes and "the rendezvous store is unreachable" in t}
+            after = {n: t.rsplit("the rendezvous store is back", 1)[1].count(KEEP_ALIVE_FAILED)
+                     if "the rendezvous store is back" in t else None for n, t in broke.items()}
+            r.checks.append((
+                f"after the store's restart each agent's rendezvous client reconnected, and its "
+                f"keep-alive stopped failing (failed keep-alives after it, by node: {after})",
+                all(v is not None and v <= 2 for v in after.values())))
         for i, k in enumerate(r.kills):
             # the state saved at each step by the run that was interrupted (latest before the kill)
             saved = {d["step"]: d["digest"] for d in r.digests
