@@ -93,12 +93,19 @@ class InProcessAgent(LocalElasticAgent):
             raise ValueError(f"on_worker_failure={on_worker_failure!r}: replace, leave or restart")
         self.policy = on_worker_failure
         self.replaced: list[tuple[int, int, int, int]] = []  # (local rank, old pid, exit code, new pid)
+        self._announced: dict[int, int] = {}  # local rank -> the pid whose death was declared
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         pc = self._pcontext
         if self.policy != "restart" and isinstance(pc, SubprocessContext):
             failed = {lr: code for lr, h in pc.subprocess_handlers.items()
                       if lr in pc._running_local_ranks and (code := h.proc.poll()) not in (None, 0)}
+            for lr in sorted(failed):
+                if self._announced.get(lr) != pc.subprocess_handlers[lr].proc.pid:
+                    self._announced[lr] = pc.subprocess_handlers[lr].proc.pid
+                    # a worker's environment: the agent's, and torchelastic's variables over it
+                    declare_dead({**os.environ, **pc.envs[lr]}, lr,
+                                 pc.subprocess_handlers[lr].proc.pid)
             if failed and self.policy == "leave":
                 # torchelastic's poll (below) stops the other workers and reports the failure;
                 # with no restarts left the agent exits with it: the node leaves the job
@@ -145,6 +152,41 @@ class InProcessAgent(LocalElasticAgent):
              f"in its place, the other workers keep running (restart "
              f"{spec.max_restarts - self._remaining_restarts} of {spec.max_restarts}); it joins the "
              "running job through the membership store")
+
+
+def declare_dead(env: dict[str, str], local_rank: int, pid: int) -> bool:
+    """Name a worker that exited in the death log of the job's newest round, as its watchers
+    would once it had been silent for ``dead_after_s``: the agent saw it exit (waitpid), which
+    is proof, where silence is a guess. The survivors read the log at their next beat, fence it
+    off and form the next round without it: detection in a heartbeat interval instead of
+    ``dead_after_s`` (the commonest real failure, one process of a node, issue 25). Its uid is
+    the one ``run_in_process`` gave it (node, local rank, pid). A no-op without
+    ``AEGIS_MEMBERSHIP``; best effort (False) when the store cannot be reached within a second:
+    the heartbeats still detect it. One connect and three requests per dead worker, whatever
+    the world size."""
+    addr = env.get("AEGIS_MEMBERSHIP") or ""
+    if ":" not in addr:
+        return False
+    import socket
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from aegis.training.inprocess.membership import _rk, latest_round
+
+    node = env.get("AEGIS_NODE_ID") or socket.gethostname()
+    host, port = addr.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=1.0):
+            pass  # refused at once while the store is down (a c10d connect would retry)
+        store: Any = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                              timeout=timedelta(seconds=2))
+        r = latest_round(store)
+        store.append(_rk(r, "dead"), f"{node}/{local_rank}/{pid}\n")
+    except Exception:  # noqa: BLE001 - the heartbeats detect it instead
+        return False
+    _say(f"worker pid {pid} (local rank {local_rank}) exited: declared dead in round {r}")
+    return True
 
 
 class _StoreTolerantRendezvous:

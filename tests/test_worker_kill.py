@@ -142,3 +142,24 @@ def test_a_killed_worker_on_a_two_rank_node_is_replaced_while_the_others_go_on(t
     assert k.replacement is not None and k.replacement != k.victim and len(k.others) == 3
     worlds = [x["world"] for x in result.losses]
     assert worlds[0] == 4 and 3 in worlds and worlds[-1] == 4, worlds  # shrank by one rank, grew back
+
+
+@pytest.mark.timeout(420)
+def test_the_agent_declares_its_dead_worker_so_the_survivors_do_not_wait_for_silence(
+        tmp_path: Path) -> None:
+    """The agent saw its worker exit: it names it in the newest round's death log at once, and
+    the survivors form the next round without it in about a heartbeat, not after
+    ``dead_after_s`` of silence (8 s here, so that the difference is plain on a loaded
+    machine; the campaign's worker kills waited ~1 s with the default of 1 s)."""
+    result = Scenario(tmp_path / "wd", [Kill(after_step=6, node="node-1", worker=1)], nodes=2,
+                      nproc_per_node=2, steps=16, step_sleep=0.2, job="wd", in_process=True,
+                      on_worker_failure="replace", extra_args=["--dead-after", "8"]).run()
+    report = "\n".join(f"[{'PASS' if ok else 'FAIL'}] {what}" for what, ok in result.checks)
+    assert result.ok, f"{report}\nlogs: {result.workdir}"
+    k = result.kills[0]
+    agent = (result.workdir / "node-1.log").read_text(errors="replace")
+    assert f"worker pid {k.victim} (local rank 1) exited: declared dead in round" in agent
+    formed = min(e["time"] for e in result.events
+                 if e["event"] == "recovery" and e["time"] > k.t_kill)
+    print(f"next round formed {formed - k.t_kill:.1f} s after the kill")
+    assert formed - k.t_kill < 5.0, formed - k.t_kill  # not dead_after_s (8 s) of silence
