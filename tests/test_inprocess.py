@@ -112,6 +112,7 @@ def _worker(i: int, port: int, root: str, world: int, steps: int, kill: tuple[in
              threads=threading.active_count(),
              names=sorted(t.name for t in threading.enumerate()),
              fds=len(os.listdir("/proc/self/fd")), pgs=len(_world.pg_map),
+             frozen=gc.get_freeze_count(),
              rss=int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
 
     try:
@@ -209,6 +210,8 @@ def test_survivors_recover_in_place_after_a_sigkill(tmp_path: Path) -> None:
         assert evs[-1]["event"] == "done", evs[-3:]
         rounds = [e for e in evs if e["event"] == "round"]
         assert [(r["round"], r["world"]) for r in rounds] == [(0, 3), (1, 2)]
+        # the imports frozen out of the collector (the teardown's full collection skips them)
+        assert all(r["frozen"] > 100_000 for r in rounds), [r["frozen"] for r in rounds]
         # same process: every line of this node comes from one pid (one file, one writer)
         restored = next(e for e in evs if e["event"] == "restored")
         assert restored["step"] == 4 and restored["world"] == 2

@@ -336,6 +336,10 @@ def run_in_process(
     store it cannot reach before this process gives up and restarts (its launcher restarts it;
     it restores from its node store); training itself goes on while the store is away, and a
     store restarted empty is re-seeded by the members (:mod:`.storeclient`).
+
+    It freezes the garbage collector's objects of the moment (``gc.freeze``: the imports and
+    what the script made before calling it), which no collection scans again, so that the full
+    collection at each round's teardown is quick.
     """
     if min_world < 1 or dead_after_s <= heartbeat_s:
         raise ConfigError(f"run_in_process(min_world={min_world}, heartbeat_s={heartbeat_s}, "
@@ -388,6 +392,11 @@ def run_in_process(
     # the job runs already (or ran, on a store re-seeded after a restart): join it
     join = store.check(["aegis/round/0/members"]) or store.check([BASE_ROUND])
     clean = False  # the last round returned: its groups are healthy, destroy them plainly
+    # What exists now (the imports: torch alone is ~240 K objects) will live as long as the
+    # process: kept out of every later collection, so the full collection that releases each
+    # round's model at its teardown scans only what was made since (measured here, idle: 53 ms
+    # -> under 1 ms; the campaign's teardowns, 6 ranks on 2 cores, took 0.3-0.8 s)
+    gc.freeze()
     try:
         while True:
             t0 = time.perf_counter()
