@@ -67,7 +67,8 @@ chaos-rs6: venv
 LONG := bench/results/chaos_3x2_seed11.json bench/results/chaos_xor_3x2_seed13.json \
 	bench/results/chaos_rs6_seed14.json bench/results/chaos_3x2_seed12.json \
 	bench/results/chaos_3x2_seed15.json bench/results/chaos_xor_3x2_seed16.json \
-	bench/results/chaos_rs6_seed17.json bench/results/chaos_3x2_seed18.json
+	bench/results/chaos_rs6_seed17.json bench/results/chaos_3x2_seed18.json \
+	bench/results/chaos_3x2_seed19.json
 chaos-long: venv
 	$(MAKE) chaos-3x2 CHAOS_SEED=11 CHAOS_FAULTS=24
 	$(MAKE) chaos-xor-3x2 CHAOS_SEED=13 CHAOS_FAULTS=24
@@ -77,6 +78,7 @@ chaos-long: venv
 	$(MAKE) chaos-xor-3x2 CHAOS_SEED=16 CHAOS_FAULTS=30
 	$(MAKE) chaos-rs6 CHAOS_SEED=17 CHAOS_FAULTS=28
 	$(MAKE) chaos-3x2 CHAOS_SEED=18 CHAOS_FAULTS=24
+	$(MAKE) chaos-3x2 CHAOS_SEED=19 CHAOS_FAULTS=24
 	$(BIN)/python -m tests.chaos.long_table $(LONG)
 
 # One worker killed on a 2-rank node: replace it (aegis.launch) or let its node leave the job (~5 min).
