@@ -162,8 +162,9 @@ def declare_dead(env: dict[str, str], local_rank: int, pid: int) -> bool:
     ``dead_after_s`` (the commonest real failure, one process of a node, issue 25). Its uid is
     the one ``run_in_process`` gave it (node, local rank, pid). A no-op without
     ``AEGIS_MEMBERSHIP``; best effort (False) when the store cannot be reached within a second:
-    the heartbeats still detect it. One connect and three requests per dead worker, whatever
-    the world size."""
+    the heartbeats still detect it. Per dead worker: one connect, one request per round the job
+    has formed since the store's base round (``latest_round`` walks them), and one append;
+    nothing that grows with the world size."""
     addr = env.get("AEGIS_MEMBERSHIP") or ""
     if ":" not in addr:
         return False
@@ -180,7 +181,7 @@ def declare_dead(env: dict[str, str], local_rank: int, pid: int) -> bool:
         with socket.create_connection((host, int(port)), timeout=1.0):
             pass  # refused at once while the store is down (a c10d connect would retry)
         store: Any = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
-                              timeout=timedelta(seconds=2))
+                                   timeout=timedelta(seconds=2))
         r = latest_round(store)
         store.append(_rk(r, "dead"), f"{node}/{local_rank}/{pid}\n")
     except Exception:  # noqa: BLE001 - the heartbeats detect it instead
