@@ -103,9 +103,7 @@ class InProcessAgent(LocalElasticAgent):
             for lr in sorted(failed):
                 if self._announced.get(lr) != pc.subprocess_handlers[lr].proc.pid:
                     self._announced[lr] = pc.subprocess_handlers[lr].proc.pid
-                    # a worker's environment: the agent's, and torchelastic's variables over it
-                    declare_dead({**os.environ, **pc.envs[lr]}, lr,
-                                 pc.subprocess_handlers[lr].proc.pid)
+                    declare_dead(lr, pc.subprocess_handlers[lr].proc.pid)
             if failed and self.policy == "leave":
                 # torchelastic's poll (below) stops the other workers and reports the failure;
                 # with no restarts left the agent exits with it: the node leaves the job
@@ -154,36 +152,27 @@ class InProcessAgent(LocalElasticAgent):
              "running job through the membership store")
 
 
-def declare_dead(env: dict[str, str], local_rank: int, pid: int) -> bool:
+def declare_dead(local_rank: int, pid: int) -> bool:
     """Name a worker that exited in the death log of the job's newest round, as its watchers
     would once it had been silent for ``dead_after_s``: the agent saw it exit (waitpid), which
     is proof, where silence is a guess. The survivors read the log at their next beat, fence it
     off and form the next round without it: detection in a heartbeat interval instead of
     ``dead_after_s`` (the commonest real failure, one process of a node, issue 25). Its uid is
-    the one ``run_in_process`` gave it (node, local rank, pid). A no-op without
-    ``AEGIS_MEMBERSHIP``; best effort (False) when the store cannot be reached within a second:
-    the heartbeats still detect it. Per dead worker: one connect, one request per round the job
-    has formed since the store's base round (``latest_round`` walks them), and one append;
-    nothing that grows with the world size."""
-    addr = env.get("AEGIS_MEMBERSHIP") or ""
-    if ":" not in addr:
-        return False
-    import socket
+    the one ``run_in_process`` gave it (node, local rank, pid; the agent's ``AEGIS_NODE_ID`` and
+    ``AEGIS_MEMBERSHIP`` are its workers'). A no-op without ``AEGIS_MEMBERSHIP``; best effort
+    (False) when the store cannot be reached within a second: the heartbeats still detect it.
+    Per dead worker: one connect, one request per round formed since the store's base round
+    (``latest_round`` walks them), and one append; nothing that grows with the world size."""
     from datetime import timedelta
 
-    import torch.distributed as dist
+    from aegis._dist import node_id
+    from aegis.training.inprocess.membership import ENV_STORE, declare, member_uid, store_from_env
 
-    from aegis.training.inprocess.membership import _rk, latest_round
-
-    node = env.get("AEGIS_NODE_ID") or socket.gethostname()
-    host, port = addr.rsplit(":", 1)
+    if ":" not in os.environ.get(ENV_STORE, ""):
+        return False
+    uid = member_uid(node_id(), local_rank, pid)
     try:
-        with socket.create_connection((host, int(port)), timeout=1.0):
-            pass  # refused at once while the store is down (a c10d connect would retry)
-        store: Any = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
-                                   timeout=timedelta(seconds=2))
-        r = latest_round(store)
-        store.append(_rk(r, "dead"), f"{node}/{local_rank}/{pid}\n")
+        r = declare(store_from_env(timedelta(seconds=2)), uid)
     except Exception:  # noqa: BLE001 - the heartbeats detect it instead
         return False
     _say(f"worker pid {pid} (local rank {local_rank}) exited: declared dead in round {r}")
@@ -243,21 +232,19 @@ class _StoreTolerantRendezvous:
         (a plain TCP connect first: refused at once while it is down, where a c10d connect would
         block this monitor loop for its whole timeout). A store restarted empty gets the
         backend's empty state back (as the backend's constructor writes it). True if done."""
-        import socket
         from datetime import timedelta
 
         import torch.distributed as dist
         from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+        from aegis.training.inprocess.membership import connect_store
 
         backend = self._backend()
         if backend is None or not isinstance(backend._store, dist.TCPStore) or not self._endpoint:
             return False
         try:
             host, port = parse_rendezvous_endpoint(self._endpoint, default_port=29400)
-            with socket.create_connection((host, port), timeout=1.0):
-                pass
-            store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
-                                  timeout=timedelta(seconds=5))
+            store = connect_store(host, port, timedelta(seconds=5))
             store.compare_set(backend._key, "", backend._NULL_SENTINEL)
         except Exception:  # noqa: BLE001 - still away: tried again later
             return False

@@ -32,6 +32,7 @@ from aegis.training.inprocess.membership import (
     Excluded,
     Heartbeat,
     Membership,
+    member_uid,
     store_address,
     store_from_env,
 )
@@ -353,7 +354,7 @@ def run_in_process(
         print(f"[aegis] {line}", flush=True)
     node = node_id()
     local = os.environ.get("LOCAL_RANK", "0")
-    uid = f"{node}/{local}/{os.getpid()}"
+    uid = member_uid(node, local, os.getpid())
     store_address()  # a ConfigError now if the variable is missing or malformed
     # membership (issue 25): clients that reconnect after a broken connection and bound every
     # request; membership steps retry for store_outage, the heartbeat once per beat

@@ -50,7 +50,7 @@ from aegis.errors import ConfigError
 from aegis.training.inprocess.round import RecoveryGaveUp
 from aegis.training.inprocess.storeclient import BASE_ROUND, StoreRestarted
 
-__all__ = ["ENV_STORE", "store_from_env", "Heartbeat", "Membership", "Excluded", "latest_round",
+__all__ = ["ENV_STORE", "connect_store", "declare", "member_uid", "store_from_env", "Heartbeat", "Membership", "Excluded", "latest_round",
            "backoff_s", "backoff", "ring", "successors", "CountingStore", "REQUESTS"]
 
 ENV_STORE = "AEGIS_MEMBERSHIP"
@@ -69,16 +69,34 @@ BLIND_BEAT_S = 2.0
 CREATING_SILENT_S = 2.0
 
 
-def store_from_env(timeout: timedelta) -> dist.TCPStore:
-    """A c10d client of ``AEGIS_MEMBERSHIP``, after a plain TCP connect has found the store
+def connect_store(host: str, port: int, timeout: timedelta) -> dist.TCPStore:
+    """A c10d client of the store at ``host:port``, after a plain TCP connect has found it
     listening (within ``timeout``, 1 s at most): a refused connect raises at once
-    (``ConnectionRefusedError``) and the caller's loop tries again soon, instead of c10d's own
+    (``ConnectionRefusedError``) and the caller tries again soon, instead of c10d's own
     retries, whose pauses grow across a connect (measured: clients were back 3.5-10 s after a
     restarted store was)."""
-    host, port = store_address()
     with socket.create_connection((host, port), timeout=min(1.0, timeout.total_seconds())):
         pass
     return dist.TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
+
+
+def store_from_env(timeout: timedelta) -> dist.TCPStore:
+    """A c10d client of ``AEGIS_MEMBERSHIP`` (:func:`connect_store`)."""
+    return connect_store(*store_address(), timeout)
+
+
+def member_uid(node: str, local_rank: int | str, pid: int) -> str:
+    """A process's name in the membership: ``"<node>/<local rank>/<pid>"``."""
+    return f"{node}/{local_rank}/{pid}"
+
+
+def declare(store: Any, uid: str) -> int:
+    """Name ``uid`` in the death log of the job's newest round, as its watchers do once it has
+    been silent for ``dead_after_s`` (for a caller that knows it is dead: its agent saw it
+    exit). Returns that round."""
+    r = latest_round(store)
+    store.append(_rk(r, "dead"), f"{uid}\n")
+    return r
 
 
 def store_address() -> tuple[str, int]:
@@ -192,8 +210,9 @@ class Heartbeat:
     ``Abandon``), so the detector's finding reaches every process that holds connections to
     the dead member (or waits for its address while the round's groups are created,
     ``creating``: then after ``CREATING_SILENT_S`` silent at least) within one more interval:
-    detection within ``dead_after_s`` + 3 intervals of the last beat. Nothing is declared or fenced in a beat whose store requests failed: a
-    process that cannot reach the store (it is the one cut off) fences nobody."""
+    detection within ``dead_after_s`` + 3 intervals of the last beat. Nothing is declared or
+    fenced in a beat whose store requests failed: a process that cannot reach the store (it is
+    the one cut off) fences nobody."""
 
     def __init__(self, uid: str, interval_s: float, timeout: timedelta, *,
                  dead_after_s: float | None = None,
