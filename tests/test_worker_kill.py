@@ -163,3 +163,25 @@ def test_the_agent_declares_its_dead_worker_so_the_survivors_do_not_wait_for_sil
                  if e["event"] == "recovery" and e["time"] > k.t_kill)
     print(f"next round formed {formed - k.t_kill:.1f} s after the kill")
     assert formed - k.t_kill < 5.0, formed - k.t_kill  # not dead_after_s (8 s) of silence
+
+
+@pytest.mark.timeout(420)
+def test_a_killed_node_is_declared_by_the_store_host_so_the_survivors_do_not_wait_for_silence(
+        tmp_path: Path) -> None:
+    """A whole node SIGKILLed (its agent too: nobody on it can say anything): its processes'
+    connections to the store host's liveness service (``aegis store serve``) close as they die,
+    the host names them in the newest round's death log, and the survivors form the next round
+    at once, not after ``dead_after_s`` of heartbeat silence (8 s here, so that the difference
+    is plain on a loaded machine)."""
+    result = Scenario(tmp_path / "lk", [Kill(after_step=6, node="node-1", replace=False)], nodes=3,
+                      nproc_per_node=1, steps=14, step_sleep=0.2, job="lk", in_process=True,
+                      on_worker_failure="replace", extra_args=["--dead-after", "8"]).run()
+    report = "\n".join(f"[{'PASS' if ok else 'FAIL'}] {what}" for what, ok in result.checks)
+    assert result.ok, f"{report}\nlogs: {result.workdir}"
+    k = result.kills[0]
+    store_log = (result.workdir / "store.log").read_text(errors="replace")
+    assert "closed its connection without leaving: declared dead in round" in store_log, store_log
+    formed = min(e["time"] for e in result.events
+                 if e["event"] == "recovery" and e["time"] > k.t_kill)
+    print(f"next round formed {formed - k.t_kill:.1f} s after the kill")
+    assert formed - k.t_kill < 5.0, formed - k.t_kill  # not dead_after_s (8 s) of silence

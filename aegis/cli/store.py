@@ -3,6 +3,7 @@
 ::
 
     aegis store serve [--host 0.0.0.0] [--port 29400] [--health-port 29401] [--poll 0.5]
+                      [--liveness-port 0 | --no-liveness]
     aegis store ping HOST:PORT [--timeout 2] [--json]
 
 ``serve`` hosts a c10d ``TCPStore`` (libuv) that no training node owns: torchrun's c10d
@@ -15,6 +16,14 @@ the new ones; its members in rank order up to 16), a member declared dead by its
 round's death log), a process registering to join the running job, join slots admitted, the
 job done. A poll is O(1) requests at any world size (a round's join log is read when its count
 moves, a formed round's record once): nothing per training step, nothing per member.
+
+Liveness (:mod:`aegis.training.inprocess.liveness`): the same process listens on a second port
+(``--liveness-port``, any free one by default, published in the store under
+``aegis/liveness/port``); every in-process training process holds one connection to it, and one
+that ends without a goodbye (the process crashed or was killed: its kernel closed it) is named
+in the newest round's death log at once, with a line here, instead of after ``dead_after_s`` of
+heartbeat silence. A machine that stops without closing anything is still found by the
+heartbeats. One connection per process, nothing per step.
 
 Health: ``--health-port`` serves ``GET /healthz`` (200 with a JSON body, the membership as last
 read, while the store answers a read within a second; 503 otherwise) for a Kubernetes
@@ -248,9 +257,17 @@ def store() -> None:
 @click.option("--poll", "poll_s", type=click.FloatRange(min=0.05), default=0.5, show_default=True,
               help="Seconds between reads of the membership keys.")
 @click.option("--quiet", is_flag=True, help="No line per membership change.")
-def serve(host: str, port: int, health_port: int | None, poll_s: float, quiet: bool) -> int:
+@click.option("--liveness-port", type=click.IntRange(0, 65535), default=0, show_default=True,
+              help="The liveness service's port (0: any free one; it is published in the store). "
+                   "Every training process holds a connection to it; one that ends without a "
+                   "goodbye is a process gone, declared dead at once.")
+@click.option("--no-liveness", is_flag=True, help="No liveness service (heartbeats alone).")
+def serve(host: str, port: int, health_port: int | None, poll_s: float, quiet: bool,
+          liveness_port: int, no_liveness: bool) -> int:
     """Host the store (a c10d TCPStore, libuv) until SIGTERM; one line per membership change."""
     from torch.distributed import TCPStore
+
+    from aegis.training.inprocess.liveness import LivenessServer
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -270,6 +287,15 @@ def serve(host: str, port: int, health_port: int | None, poll_s: float, quiet: b
         return watcher.view
 
     watcher = Watcher(watch_client, _log if not quiet else (lambda m: None))
+    liveness = None
+    if not no_liveness:
+        try:
+            liveness = LivenessServer(lambda: _client(host, port, 5.0), host=host,
+                                      port=liveness_port, say=_log)
+        except OSError as e:
+            raise CliError(f"cannot serve the liveness service on {host}:{liveness_port}: {e} "
+                           "(choose another --liveness-port, or --no-liveness)") from None
+        liveness.publish(watch_client)
     httpd = None
     if health_port is not None:
         handler = type("Health", (_Health,), {"probe": staticmethod(probe)})
@@ -277,6 +303,7 @@ def serve(host: str, port: int, health_port: int | None, poll_s: float, quiet: b
         threading.Thread(target=httpd.serve_forever, name="aegis-store-health", daemon=True).start()
     _log(f"ready on {host}:{port} (c10d TCPStore, libuv)"
          + (f", health on http://{host}:{health_port}/healthz" if httpd else "")
+         + (f", liveness on port {liveness.port}" if liveness else "")
          + f"; membership read every {poll_s:g} s")
     while not stop.is_set():
         try:
@@ -287,6 +314,8 @@ def serve(host: str, port: int, health_port: int | None, poll_s: float, quiet: b
     if httpd is not None:
         httpd.shutdown()
         httpd.server_close()
+    if liveness is not None:
+        liveness.close()
     del watch_client, server  # the clients, then the server: the port is free when this returns
     _log("stopped")
     return EXIT_OK

@@ -17,20 +17,30 @@ import socket
 from collections.abc import Callable, Iterable
 from typing import Any
 
-__all__ = ["my_sockets", "endpoints", "listening_ports", "opened_since", "shutdown_where",
+__all__ = ["keep", "my_sockets", "endpoints", "listening_ports", "opened_since", "shutdown_where",
            "split", "connected_to", "shutdown_where_inode"]
 
 TCP_ESTABLISHED, TCP_LISTEN = "01", "0A"
 
 
+# Sockets no round may publish or cut (inodes): the liveness link (its end is a death to the
+# store host, and a round's fences and leave shut down what the round published)
+KEEP: set[int] = set()
+
+
+def keep(sock: socket.socket) -> None:
+    """Keep ``sock`` out of :func:`my_sockets` (so out of every round's published and cut sets)."""
+    KEEP.add(os.fstat(sock.fileno()).st_ino)
+
+
 def my_sockets() -> dict[int, int]:
-    """inode -> fd of this process's sockets."""
+    """inode -> fd of this process's sockets (but those kept, :func:`keep`)."""
     out = {}
     with contextlib.suppress(OSError):
         for fd in os.listdir("/proc/self/fd"):
             with contextlib.suppress(OSError):
                 link = os.readlink(f"/proc/self/fd/{fd}")
-                if link.startswith("socket:["):
+                if link.startswith("socket:[") and int(link[8:-1]) not in KEEP:
                     out[int(link[8:-1])] = int(fd)
     return out
 

@@ -28,6 +28,7 @@ from aegis._dist import node_id
 from aegis.errors import ConfigError
 from aegis.training.inprocess import _sockets
 from aegis.training.inprocess import abandon as _abandon
+from aegis.training.inprocess import liveness as _liveness
 from aegis.training.inprocess.membership import (
     Excluded,
     Heartbeat,
@@ -361,6 +362,11 @@ def run_in_process(
     store = StoreClient(store_from_env, timeout_s=form_timeout.total_seconds(),
                         outage_s=store_outage.total_seconds())
     store.seal()
+    # the store host's liveness service (aegis store serve): this process's connection to it
+    # ends when the process dies, and the host declares it dead at once (not after
+    # dead_after_s of silence); absent, nothing changes
+    link = _liveness.Link(uid, store_address()[0],
+                          lambda: _liveness.published_port(store.quick))
     hb_timeout = timedelta(seconds=max(5.0, 2 * dead_after_s))
     hb_store = StoreClient(store_from_env, timeout_s=hb_timeout.total_seconds(),
                            outage_s=None, name="membership store (heartbeat)")
@@ -531,6 +537,7 @@ def run_in_process(
                     previous = members
                 hb.follow(previous, r - 1, forming=True)  # the joiners watched (as just seen) too
     finally:
+        link.leave(bye=clean)  # leaving on an error: declared at once, as if dead
         hb.stop()
         Round.joiners = None
         Round.creating = False

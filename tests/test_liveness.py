@@ -1,0 +1,184 @@
+"""The store host's liveness service (``aegis.training.inprocess.liveness``), against a real
+c10d TCPStore and real processes: a process whose connection ends without a goodbye (SIGKILL)
+is named in the newest round's death log at once; one that says goodbye, or whose job is done,
+is not; a restarted server is found again; the link never shows up among a round's sockets."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from aegis.training.inprocess import _sockets
+from aegis.training.inprocess.liveness import PORT_KEY, Link, LivenessServer, published_port
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture()
+def store() -> Iterator[tuple[Any, int]]:
+    port = _free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=10), use_libuv=True)
+    yield server, port
+    del server
+
+
+def _client(port: int) -> Any:
+    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+
+
+def _member(port: int, uid: str, then: str = "time.sleep(600)") -> subprocess.Popen[str]:
+    """A process holding a Link to the service the store at ``port`` publishes."""
+    code = textwrap.dedent(f"""
+        import time
+        from datetime import timedelta
+        import torch.distributed as dist
+        from aegis.training.inprocess.liveness import Link, published_port
+        c = dist.TCPStore("127.0.0.1", {port}, is_master=False, timeout=timedelta(seconds=10))
+        link = Link({uid!r}, "127.0.0.1", lambda: published_port(c), retry_s=0.2)
+        while not link.connected:
+            time.sleep(0.01)
+        print("connected", flush=True)
+        {then}
+    """)
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.stdout is not None and p.stdout.readline().strip() == "connected"
+    return p
+
+
+def _dead(client: Any, r: int) -> list[str]:
+    key = f"aegis/round/{r}/dead"
+    return client.get(key).decode().split() if client.check([key]) else []
+
+
+def _wait_for(pred: Any, timeout: float = 10.0) -> float:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if pred():
+            return time.monotonic() - t0
+        time.sleep(0.01)
+    raise AssertionError("not within the timeout")
+
+
+def test_a_killed_process_is_declared_in_the_newest_round_at_once(store: tuple[Any, int]) -> None:
+    _, port = store
+    c = _client(port)
+    srv = LivenessServer(lambda: _client(port), host="127.0.0.1")
+    try:
+        srv.publish(c)
+        assert published_port(c) == srv.port
+        for r in (0, 1, 2):  # round 2 is the newest formed; round 3 is only being formed
+            c.set(f"aegis/round/{r}/members", "{}")
+        c.add("aegis/round/3/count", 1)
+        p = _member(port, "node-1/0/111")
+        _wait_for(lambda: "node-1/0/111" in srv.connected)
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        took = _wait_for(lambda: "node-1/0/111" in _dead(c, 2))
+        print(f"declared {took * 1e3:.0f} ms after the kill")
+        assert time.monotonic() - t0 < 2.0  # not a heartbeat's dead_after_s
+        assert _dead(c, 0) == _dead(c, 1) == _dead(c, 3) == []
+        assert [u for u, _, _ in srv.declared] == ["node-1/0/111"]
+        assert "node-1/0/111" not in srv.connected
+    finally:
+        srv.close()
+
+
+def test_a_goodbye_or_a_finished_job_declares_nobody(store: tuple[Any, int]) -> None:
+    _, port = store
+    c = _client(port)
+    srv = LivenessServer(lambda: _client(port), host="127.0.0.1")
+    try:
+        srv.publish(c)
+        c.set("aegis/round/0/members", "{}")
+        polite = _member(port, "node-1/0/1", then="link.leave(); time.sleep(600)")
+        _wait_for(lambda: "node-1/0/1" not in srv.connected and srv.connected == {}, 10)
+        polite.kill()
+        polite.wait()
+        # a process that gives up leaves without a goodbye: declared at once
+        quitter = _member(port, "node-1/0/2", then="link.leave(bye=False); time.sleep(600)")
+        _wait_for(lambda: "node-1/0/2" in _dead(c, 0))
+        quitter.kill()
+        quitter.wait()
+        c.set("aegis/round/0/done", "1")
+        late = _member(port, "node-1/0/3")
+        late.kill()
+        late.wait()
+        time.sleep(1.0)
+        assert _dead(c, 0) == ["node-1/0/2"]
+        assert [u for u, _, _ in srv.declared] == ["node-1/0/2"]
+    finally:
+        srv.close()
+
+
+def test_before_any_round_nobody_is_declared_and_a_restarted_server_is_found_again(
+        store: tuple[Any, int]) -> None:
+    _, port = store
+    c = _client(port)
+    srv = LivenessServer(lambda: _client(port), host="127.0.0.1")
+    srv.publish(c)
+    p = _member(port, "node-2/0/7")
+    try:
+        srv.close()  # the store's host restarted: every connection ends, nobody is declared
+        srv = LivenessServer(lambda: _client(port), host="127.0.0.1")
+        srv.publish(c)
+        _wait_for(lambda: "node-2/0/7" in srv.connected, 10)
+        p.kill()
+        p.wait()
+        time.sleep(0.5)
+        assert srv.declared == []  # no round formed yet: nobody waits for its death
+        assert not c.check(["aegis/round/0/dead"])
+    finally:
+        srv.close()
+        if p.poll() is None:
+            p.kill()
+
+
+def test_the_link_is_never_among_the_sockets_a_round_publishes_or_cuts(
+        store: tuple[Any, int]) -> None:
+    _, port = store
+    c = _client(port)
+    srv = LivenessServer(lambda: _client(port), host="127.0.0.1")
+    try:
+        srv.publish(c)
+        before = set(_sockets.my_sockets())
+        link = Link("me/0/1", "127.0.0.1", lambda: published_port(c))
+        _wait_for(lambda: link.connected)
+        _wait_for(lambda: "me/0/1" in srv.connected)
+        # (the server's end of the link lives in this process too, here only)
+        server_end = {os.fstat(conn.fileno()).st_ino for conn in srv._conns}
+        assert set(_sockets.my_sockets()) - server_end == before  # not published, not cut
+        assert link.connected and "me/0/1" in srv.connected
+        link.leave()
+        _wait_for(lambda: "me/0/1" not in srv.connected)
+        assert srv.declared == []
+    finally:
+        srv.close()
+
+
+def test_without_a_service_the_link_gives_up_at_once(store: tuple[Any, int]) -> None:
+    _, port = store
+    c = _client(port)
+    assert not c.check([PORT_KEY])
+    link = Link("me/0/2", "127.0.0.1", lambda: published_port(c))
+    _wait_for(lambda: not link._thread.is_alive(), 5)
+    assert not link.connected and link.connects == 0
