@@ -182,3 +182,26 @@ def test_without_a_service_the_link_gives_up_at_once(store: tuple[Any, int]) -> 
     link = Link("me/0/2", "127.0.0.1", lambda: published_port(c))
     _wait_for(lambda: not link._thread.is_alive(), 5)
     assert not link.connected and link.connects == 0
+
+
+def test_after_a_store_restart_the_reseeded_round_is_where_the_dead_are_named(
+        store: tuple[Any, int]) -> None:
+    """A store restarted empty holds only what the members wrote back (the running round's
+    record and ``aegis/base_round``: ``storeclient.reseed``), not round 0: the round to declare
+    in is found from there (the chaos campaign's kills after a store restart went undeclared
+    until this was so, and waited for the heartbeats' dead_after_s)."""
+    _, port = store
+    c = _client(port)
+    srv = LivenessServer(lambda: _client(port), host="127.0.0.1")
+    try:
+        srv.publish(c)
+        c.set("aegis/round/5/members", "{}")
+        c.set("aegis/base_round", "5")
+        p = _member(port, "node-4/1/55")
+        _wait_for(lambda: "node-4/1/55" in srv.connected)
+        p.kill()
+        p.wait()
+        _wait_for(lambda: "node-4/1/55" in _dead(c, 5), 5)
+        assert not c.check(["aegis/round/0/dead"])
+    finally:
+        srv.close()

@@ -43,6 +43,9 @@ __all__ = ["PORT_KEY", "LivenessServer", "Link", "published_port"]
 
 PORT_KEY = "aegis/liveness/port"
 _LINE_MAX = 4096
+# a link that cannot reach the service tries again after 1, 2, 4 ... s, at most this long apart
+# (a port that a firewall drops must not cost the store host a connect per process per second)
+MAX_RETRY_S = 30.0
 
 
 def published_port(store: Any) -> int | None:
@@ -163,8 +166,11 @@ class LivenessServer:
                 if self._store is None:
                     self._store = self._client_factory()
                 r = latest_round(self._store, self._round)
-                if not self._store.check(["aegis/round/0/members"]):
-                    return  # no round formed yet: nobody waits for this process's death
+                if not self._store.check([_rk(r, "members")]):
+                    # no round formed yet (after a store restart the re-seeded store has the
+                    # running round's record only, and latest_round starts there)
+                    self._say(f"{uid} closed its connection before any round was formed")
+                    return
                 if self._store.check([_rk(r, "done")]):
                     return  # the job finished: its processes are leaving
                 self._store.append(_rk(r, "dead"), f"{uid}\n")
@@ -183,9 +189,14 @@ class LivenessServer:
 class Link:
     """This process's connection to the store host's :class:`LivenessServer`, held from a
     daemon thread: it connects (``hello <uid>``), waits for the connection to end, and
-    reconnects about once a second while the port key names a server (after a store restart
-    the new server publishes its port again). ``port`` reads the key (None: no service; a
-    link that never found one stops trying). :meth:`leave` says ``bye`` and closes."""
+    reconnects (after a store restart the new server publishes its port again, maybe another
+    one). ``port`` reads the key: None (no service) on the first look ends the thread; a read
+    that fails, or finds no key after a service was found (the store away or restarting), is
+    tried again every ``retry_s``: the links were back within a second or two of a restarted
+    store, where a backoff that grew over the outage left three processes of the chaos
+    campaign undeclared at a kill 10 s after two restarts; a published port that does not
+    answer is tried after 1, 2, 4 ... s (``MAX_RETRY_S`` at most).
+    :meth:`leave` says ``bye`` and closes."""
 
     def __init__(self, uid: str, host: str, port: Callable[[], int | None], *,
                  retry_s: float = 1.0) -> None:
@@ -197,6 +208,7 @@ class Link:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.connects = 0
+        self.failures = 0  # attempts that found no store or no service to connect to
         self._thread = threading.Thread(target=self._run, name="aegis-liveness-link", daemon=True)
         self._thread.start()
 
@@ -204,13 +216,7 @@ class Link:
     def connected(self) -> bool:
         return self._sock is not None
 
-    def _connect(self) -> socket.socket | None:
-        try:
-            port = self._port()
-        except Exception:  # noqa: BLE001 - the store away: try again later
-            return None
-        if port is None:
-            return None
+    def _open(self, port: int) -> socket.socket | None:
         try:
             s = socket.create_connection((self.host, port), timeout=2.0)
         except OSError:
@@ -225,15 +231,28 @@ class Link:
         return s
 
     def _run(self) -> None:
-        found = False
+        found = False  # a service was found once: it is there again after a store restart
+        delay = self.retry_s
         while not self._stop.is_set():
-            s = self._connect()
-            if s is None:
-                if not found:
-                    return  # no service at this job's store: nothing to hold
+            try:
+                port = self._port()
+            except Exception:  # noqa: BLE001 - the store away, or slow to answer: later
+                port = -1
+            if port is None and not found:
+                return  # no service at this job's store: nothing to hold
+            if port is None or port < 0:
+                # the store away or restarting (its new server publishes the port once it
+                # listens): again in retry_s, a read that fails at once while it is away
+                self.failures += 1
                 self._stop.wait(self.retry_s)
                 continue
-            found = True
+            s = self._open(port)
+            if s is None:  # a port published but not reachable (a firewall?): back off
+                self.failures += 1
+                self._stop.wait(delay)
+                delay = min(MAX_RETRY_S, 2 * delay)
+                continue
+            found, delay = True, self.retry_s
             with self._lock:
                 if self._stop.is_set():
                     s.close()

@@ -491,7 +491,11 @@ def run_in_process(
                           restarts=restarts, timings=dict(timings), failed_at=failed_at,
                           cause=cause)
             if restarts:
-                _emit_recovery(world, extra)
+                # the liveness link as it stands (connected: this process's death is seen by
+                # the store host at once; connects > 1: it came back after a store restart)
+                _emit_recovery(world, {**extra, "liveness": {
+                    "connected": link.connected, "connects": link.connects,
+                    "failures": link.failures}})
             ab.publish()  # the default group's sockets
             if on_round is not None:
                 on_round(world)
