@@ -44,10 +44,12 @@ MODES = [(name, mode) for name in CASES for mode in ("restart", "in-process")
 @pytest.mark.parametrize(("name", "mode"), MODES, ids=[f"{n}-{m}" for n, m in MODES])
 def test_node_loss(name: str, mode: str, tmp_path: Path) -> None:
     kills, replicas = CASES[name]
-    # a store fault blocks the harness for its length while training goes on: more steps; the
+    # a store fault blocks the harness for its length while training goes on: more steps (the
+    # agents must still run when their rendezvous client reconnects, every 2 s; 24 steps ended
+    # first once the digest got cheaper); the
     # agents are aegis.launch's (torchrun's own agent exits when its rendezvous store is lost)
     store = name in STORE_CASES
-    result = Scenario(tmp_path / name, kills, replicas=replicas, steps=24 if store else 12,
+    result = Scenario(tmp_path / name, kills, replicas=replicas, steps=48 if store else 12,
                       job=name, in_process=mode == "in-process",
                       on_worker_failure="replace" if store else None).run()
     report = "\n".join(f"[{'PASS' if ok else 'FAIL'}] {what}" for what, ok in result.checks)
