@@ -77,6 +77,7 @@ class LivenessServer:
         self._stop = threading.Event()
         self.declared: list[tuple[str, int, float]] = []  # (uid, round, time.time())
         self.connected: dict[str, float] = {}  # uid -> when it said hello (live connections)
+        self._live: dict[str, int] = {}  # uid -> its open connections (O(1) per drop)
         self._thread = threading.Thread(target=self._run, name="aegis-liveness", daemon=True)
         self._thread.start()
 
@@ -130,7 +131,6 @@ class LivenessServer:
                 line, state["buf"] = state["buf"].split(b"\n", 1)
                 self._line(state, line.decode(errors="replace").strip())
             if len(state["buf"]) > _LINE_MAX:  # not one of ours: drop it, declare nobody
-                state["uid"] = None
                 self._drop(conn)
             return
         uid, bye = state["uid"], state["bye"]
@@ -143,6 +143,7 @@ class LivenessServer:
             uid = line[6:]
             state["uid"] = uid
             self.connected[uid] = time.time()
+            self._live[uid] = self._live.get(uid, 0) + 1
         elif line == "bye":
             state["bye"] = True
 
@@ -155,8 +156,11 @@ class LivenessServer:
         uid = state["uid"]
         # this uid's only connection (a process reconnects after its link broke: the new
         # connection said hello before the old one's end was read -> keep it counted)
-        if uid is not None and not any(s["uid"] == uid for s in self._conns.values()):
-            self.connected.pop(uid, None)
+        if uid is not None:
+            self._live[uid] = self._live.get(uid, 1) - 1
+            if self._live[uid] <= 0:
+                self._live.pop(uid, None)
+                self.connected.pop(uid, None)
 
     def _declare(self, uid: str) -> None:
         from aegis.training.inprocess.membership import _rk, latest_round
