@@ -376,3 +376,61 @@ def test_single_process_without_distributed(store_dir: Path) -> None:
     m = store.read_manifest(1)  # format 4: the step record + layout + the shard's own index
     assert m.world_size == 1
     mgr2.close()
+
+
+class _WithExtra(torch.nn.Module):
+    """A module whose state dict holds a tensor that is no view of a parameter or buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.scale = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale
+
+    def get_extra_state(self) -> torch.Tensor:
+        return torch.tensor([self.scale])
+
+    def set_extra_state(self, state: torch.Tensor) -> None:
+        self.scale = float(state[0])
+
+
+@pytest.mark.parametrize("extra", [False, True], ids=["views", "extra-state"])
+def test_a_restore_loads_in_place_and_skips_only_a_copy_onto_itself(store_dir: Path, extra: bool) -> None:
+    """DCP loads into the state dict's tensors in place; they are views of the live parameters,
+    so the model's own load_state_dict (a copy of each parameter onto itself) is skipped. A state
+    dict entry that is not such a view (a tensor from get_extra_state) still goes through it."""
+
+    def make(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        model: torch.nn.Module = _WithExtra() if extra else torch.nn.Linear(4, 4)
+        return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+    model, opt = make(0)
+    mgr = Manager("inplace", {"m": ModelOptimizerState(model, opt)}, store_dir=str(store_dir), verbose=False)
+    assert mgr.restore() == 0
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    if extra:
+        model.scale = 2.5
+    mgr.save(1)
+    want = {k: v.detach().clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    want_opt = [t.clone() for s in opt.state.values() for t in s.values()]
+    mgr.close()
+
+    model2, opt2 = make(1)
+    loads: list[str] = []
+    model2.register_load_state_dict_pre_hook(lambda *a, **k: loads.append("model"))
+    mgr2 = Manager("inplace", {"m": ModelOptimizerState(model2, opt2)}, store_dir=str(store_dir), verbose=False)
+    assert mgr2.restore() == 1
+    got = {k: v for k, v in model2.state_dict().items() if isinstance(v, torch.Tensor)}
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert all(torch.equal(a, b) for a, b in zip(
+        [t for s in opt2.state.values() for t in s.values()], want_opt, strict=True))
+    assert opt2.param_groups[0]["lr"] == 0.1
+    if extra:
+        assert model2.scale == 2.5 and loads == ["model"]
+    else:
+        assert loads == []
+    mgr2.close()

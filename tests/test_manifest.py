@@ -167,6 +167,37 @@ def test_format4_rejects_a_shard_record_that_is_not_the_committed_one() -> None:
         assemble(other, step, {s.rank: s for s in m.shards})
 
 
+def test_a_layout_read_again_is_checked_by_its_bytes_and_damage_is_still_found() -> None:
+    import dataclasses
+
+    from aegis.snapshot import manifest as mf
+
+    layout, _ = mf.split(sample())
+    text = layout.to_json().encode()
+    first = mf.parse_layout(text, layout.digest, where="a")
+    assert first == layout and first.digest == layout.digest
+    # the same bytes under the same name: the layout checked before, not parsed again
+    assert mf.parse_layout(bytes(text), layout.digest, where="b") is first
+    # bytes written another way (indented) that parse to the same document: checked canonically
+    pretty = json.dumps(json.loads(text), indent=1).encode()
+    assert mf.parse_layout(pretty, layout.digest, where="p") == layout
+    # the same bytes under another name, even with the layout cached: damaged
+    with pytest.raises(ManifestError, match="does not hash to its name"):
+        mf.parse_layout(text, "0" * 16, where="c")
+    # other bytes: parsed and checked (an edited and resealed layout no longer hashes to its name)
+    edited = dataclasses.replace(layout, job="other")
+    with pytest.raises(ManifestError, match="does not hash to its name"):
+        mf.parse_layout(edited.to_json().encode(), layout.digest, where="d")
+    with pytest.raises(ManifestError):
+        mf.parse_layout(text.replace(b'"job"', b'"jab"'), layout.digest, where="e")
+    # bounded: one entry per plan, the oldest goes first
+    for i in range(mf._LAYOUT_CACHE_SIZE + 2):
+        other = dataclasses.replace(layout, job=f"j{i}")
+        mf.parse_layout(other.to_json().encode(), other.digest)
+    assert len(mf._layouts) == mf._LAYOUT_CACHE_SIZE
+    assert mf.parse_layout(text, layout.digest) is not first  # evicted: parsed again
+
+
 def test_format4_damage_and_version_rules() -> None:
     from aegis.snapshot.manifest import Layout, load_node_manifest, split
 

@@ -46,6 +46,7 @@ from aegis.snapshot.manifest import (
     StepManifest,
     assemble,
     load_node_manifest,
+    parse_layout,
 )
 from aegis.snapshot.shard import (
     FOOTER_SIZE,
@@ -203,12 +204,10 @@ class NodeStore:
                     text = path.read_bytes()
                 except OSError as e:
                     raise ManifestError(f"cannot read the layout {path}: {e}") from e
-                layout = Layout.from_json(text, where=str(path))
+                layout = parse_layout(text, digest, where=str(path))
                 if layout.job != self.job:
                     raise IncompatibleSnapshotError(
                         f"{path} belongs to job {layout.job!r}, not {self.job!r}")
-                if layout.digest != digest:
-                    raise ManifestError(f"{path} does not hash to its name ({layout.digest}): damaged")
             except IncompatibleSnapshotError:
                 raise
             except ManifestError as e:
