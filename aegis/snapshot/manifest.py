@@ -901,6 +901,8 @@ def parse_layout(text: bytes, digest: str, *, where: str = "layout") -> Layout:
         layout = Layout.from_json(text, where=where)
         if not raw_ok and layout.digest != digest:
             raise ManifestError(f"{where} does not hash to its name ({layout.digest}): damaged")
+        if raw_ok:  # the canonical bytes: their document's digest is the name (round trip)
+            object.__setattr__(layout, "digest", digest)
         _layouts.pop(key, None)
         while len(_layouts) >= _LAYOUT_CACHE_SIZE:
             _layouts.pop(next(iter(_layouts)))
