@@ -434,3 +434,63 @@ def test_a_restore_loads_in_place_and_skips_only_a_copy_onto_itself(store_dir: P
     else:
         assert loads == []
     mgr2.close()
+
+
+class _Sized:
+    """Per-rank state holding a tensor whose size the test sets (a rank-dependent plan)."""
+
+    def __init__(self, n: int) -> None:
+        self.t = torch.zeros(n)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"t": self.t}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.t = sd["t"].clone()
+
+
+def _plans_across_managers(rank: int, world: int, store: str) -> dict[str, Any]:
+    """One Manager after another in the same processes, as in-process recovery builds them."""
+    model, opt, sched = build(world, seed=0)
+    out: dict[str, Any] = {}
+
+    def first_save(name: str, step: int, size: int, **kw: Any) -> Manager:
+        mgr = _manager(store, model, opt, sched, _Sized(size), **kw)
+        if not kw.get("fresh"):
+            assert mgr.restore() == step - 1
+        train_step(model, opt, sched, step, rank)
+        handle = mgr.save(step)
+        assert handle is not None
+        r = handle.wait()
+        out[name] = (r.plan_reused, r.plan_s > 0)
+        return mgr
+
+    mgr = first_save("first", 1, 1, fresh=True)
+    train_step(model, opt, sched, 2, rank)
+    mgr.save(2)
+    mgr.close()
+    # a new Manager, the same world and states: the plan of the first is taken again
+    mgr = first_save("again", 3, 1)
+    saved = _tensors(full_state(model, opt))
+    mgr.close()
+    # ... and the snapshot it made restores bitwise
+    model2, opt2, sched2 = build(world, seed=7)
+    mgr = _manager(store, model2, opt2, sched2, _Sized(1))
+    assert mgr.restore() == 3
+    restored = _tensors(full_state(model2, opt2))  # collective: on every rank
+    out["bitwise"] = saved.keys() == restored.keys() and all(
+        torch.equal(saved[k], restored[k]) for k in saved)
+    mgr.close()
+    # rank 1's state changed shape: rank 0 holds a matching plan, rank 1 does not; nobody reuses
+    mgr = first_save("changed", 1, 2 if rank == 1 else 1, fresh=True)
+    mgr.close()
+    return out
+
+
+def test_a_new_manager_reuses_the_plan_only_when_every_rank_has_it(store_dir: Path) -> None:
+    results = run_ranks(2, _plans_across_managers, str(store_dir))
+    for r in results:
+        assert r["first"] == (False, True)
+        assert r["again"][0] is True, "the second Manager planned again"
+        assert r["bitwise"]
+        assert r["changed"] == (False, True)

@@ -788,6 +788,7 @@ class Manager:
             wait_ms=r.wait_s * 1e3,
             copy_ms=r.copy_s * 1e3,
             plan_ms=r.plan_s * 1e3,
+            plan_reused=r.plan_reused,
             staging_gbps=r.staging_gbps,
             background_ms=r.background_s * 1e3,
             commit_ms=r.commit_s * 1e3,
