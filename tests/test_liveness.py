@@ -44,6 +44,23 @@ def _client(port: int) -> Any:
     return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
 
 
+def _serve(port: int, client: Any) -> LivenessServer:
+    """A liveness service for the store at ``port``, its port published there."""
+    srv = LivenessServer(lambda: _client(port), host="127.0.0.1")
+    srv.publish(client)
+    return srv
+
+
+@pytest.fixture()
+def service(store: tuple[Any, int]) -> Iterator[tuple[Any, LivenessServer, int]]:
+    """(a store client, a published liveness service, the store's port); closed afterwards."""
+    _, port = store
+    c = _client(port)
+    srv = _serve(port, c)
+    yield c, srv, port
+    srv.close()
+
+
 def _member(port: int, uid: str, then: str = "time.sleep(600)") -> subprocess.Popen[str]:
     """A process holding a Link to the service the store at ``port`` publishes."""
     code = textwrap.dedent(f"""
@@ -78,69 +95,56 @@ def _wait_for(pred: Any, timeout: float = 10.0) -> float:
     raise AssertionError("not within the timeout")
 
 
-def test_a_killed_process_is_declared_in_the_newest_round_at_once(store: tuple[Any, int]) -> None:
-    _, port = store
-    c = _client(port)
-    srv = LivenessServer(lambda: _client(port), host="127.0.0.1")
-    try:
-        srv.publish(c)
-        assert published_port(c) == srv.port
-        for r in (0, 1, 2):  # round 2 is the newest formed; round 3 is only being formed
-            c.set(f"aegis/round/{r}/members", "{}")
-        c.add("aegis/round/3/count", 1)
-        p = _member(port, "node-1/0/111")
-        _wait_for(lambda: "node-1/0/111" in srv.connected)
-        t0 = time.monotonic()
-        p.send_signal(signal.SIGKILL)
-        p.wait()
-        took = _wait_for(lambda: "node-1/0/111" in _dead(c, 2))
-        print(f"declared {took * 1e3:.0f} ms after the kill")
-        assert time.monotonic() - t0 < 2.0  # not a heartbeat's dead_after_s
-        assert _dead(c, 0) == _dead(c, 1) == _dead(c, 3) == []
-        assert [u for u, _, _ in srv.declared] == ["node-1/0/111"]
-        assert "node-1/0/111" not in srv.connected
-    finally:
-        srv.close()
+def test_a_killed_process_is_declared_in_the_newest_round_at_once(
+        service: tuple[Any, LivenessServer, int]) -> None:
+    c, srv, port = service
+    assert published_port(c) == srv.port
+    for r in (0, 1, 2):  # round 2 is the newest formed; round 3 is only being formed
+        c.set(f"aegis/round/{r}/members", "{}")
+    c.add("aegis/round/3/count", 1)
+    p = _member(port, "node-1/0/111")
+    _wait_for(lambda: "node-1/0/111" in srv.connected)
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    took = _wait_for(lambda: "node-1/0/111" in _dead(c, 2))
+    print(f"declared {took * 1e3:.0f} ms after the kill")
+    assert time.monotonic() - t0 < 2.0  # not a heartbeat's dead_after_s
+    assert _dead(c, 0) == _dead(c, 1) == _dead(c, 3) == []
+    assert [u for u, _, _ in srv.declared] == ["node-1/0/111"]
+    assert "node-1/0/111" not in srv.connected
 
 
-def test_a_goodbye_or_a_finished_job_declares_nobody(store: tuple[Any, int]) -> None:
-    _, port = store
-    c = _client(port)
-    srv = LivenessServer(lambda: _client(port), host="127.0.0.1")
-    try:
-        srv.publish(c)
-        c.set("aegis/round/0/members", "{}")
-        polite = _member(port, "node-1/0/1", then="link.leave(); time.sleep(600)")
-        _wait_for(lambda: "node-1/0/1" not in srv.connected and srv.connected == {}, 10)
-        polite.kill()
-        polite.wait()
-        # a process that gives up leaves without a goodbye: declared at once
-        quitter = _member(port, "node-1/0/2", then="link.leave(bye=False); time.sleep(600)")
-        _wait_for(lambda: "node-1/0/2" in _dead(c, 0))
-        quitter.kill()
-        quitter.wait()
-        c.set("aegis/round/0/done", "1")
-        late = _member(port, "node-1/0/3")
-        late.kill()
-        late.wait()
-        time.sleep(1.0)
-        assert _dead(c, 0) == ["node-1/0/2"]
-        assert [u for u, _, _ in srv.declared] == ["node-1/0/2"]
-    finally:
-        srv.close()
+def test_a_goodbye_or_a_finished_job_declares_nobody(service: tuple[Any, LivenessServer, int]) -> None:
+    c, srv, port = service
+    c.set("aegis/round/0/members", "{}")
+    polite = _member(port, "node-1/0/1", then="link.leave(); time.sleep(600)")
+    _wait_for(lambda: "node-1/0/1" not in srv.connected and srv.connected == {}, 10)
+    polite.kill()
+    polite.wait()
+    # a process that gives up leaves without a goodbye: declared at once
+    quitter = _member(port, "node-1/0/2", then="link.leave(bye=False); time.sleep(600)")
+    _wait_for(lambda: "node-1/0/2" in _dead(c, 0))
+    quitter.kill()
+    quitter.wait()
+    c.set("aegis/round/0/done", "1")
+    late = _member(port, "node-1/0/3")
+    late.kill()
+    late.wait()
+    time.sleep(1.0)
+    assert _dead(c, 0) == ["node-1/0/2"]
+    assert [u for u, _, _ in srv.declared] == ["node-1/0/2"]
 
 
 def test_before_any_round_nobody_is_declared_and_a_restarted_server_is_found_again(
         store: tuple[Any, int]) -> None:
     _, port = store
     c = _client(port)
-    srv = LivenessServer(lambda: _client(port), host="127.0.0.1")
-    srv.publish(c)
+    srv = _serve(port, c)
     p = _member(port, "node-2/0/7")
     try:
         srv.close()  # the store's host restarted: every connection ends, nobody is declared
-        srv = LivenessServer(lambda: _client(port), host="127.0.0.1")
-        srv.publish(c)
+        srv = _serve(port, c)
         _wait_for(lambda: "node-2/0/7" in srv.connected, 10)
         p.kill()
         p.wait()
@@ -154,25 +158,19 @@ def test_before_any_round_nobody_is_declared_and_a_restarted_server_is_found_aga
 
 
 def test_the_link_is_never_among_the_sockets_a_round_publishes_or_cuts(
-        store: tuple[Any, int]) -> None:
-    _, port = store
-    c = _client(port)
-    srv = LivenessServer(lambda: _client(port), host="127.0.0.1")
-    try:
-        srv.publish(c)
-        before = set(_sockets.my_sockets())
-        link = Link("me/0/1", "127.0.0.1", lambda: published_port(c))
-        _wait_for(lambda: link.connected)
-        _wait_for(lambda: "me/0/1" in srv.connected)
-        # (the server's end of the link lives in this process too, here only)
-        server_end = {os.fstat(conn.fileno()).st_ino for conn in srv._conns}
-        assert set(_sockets.my_sockets()) - server_end == before  # not published, not cut
-        assert link.connected and "me/0/1" in srv.connected
-        link.leave()
-        _wait_for(lambda: "me/0/1" not in srv.connected)
-        assert srv.declared == []
-    finally:
-        srv.close()
+        service: tuple[Any, LivenessServer, int]) -> None:
+    c, srv, _ = service
+    before = set(_sockets.my_sockets())
+    link = Link("me/0/1", "127.0.0.1", lambda: published_port(c))
+    _wait_for(lambda: link.connected)
+    _wait_for(lambda: "me/0/1" in srv.connected)
+    # (the server's end of the link lives in this process too, here only)
+    server_end = {os.fstat(conn.fileno()).st_ino for conn in srv._conns}
+    assert set(_sockets.my_sockets()) - server_end == before  # not published, not cut
+    assert link.connected and "me/0/1" in srv.connected
+    link.leave()
+    _wait_for(lambda: "me/0/1" not in srv.connected)
+    assert srv.declared == []
 
 
 def test_without_a_service_the_link_gives_up_at_once(store: tuple[Any, int]) -> None:
@@ -185,23 +183,17 @@ def test_without_a_service_the_link_gives_up_at_once(store: tuple[Any, int]) -> 
 
 
 def test_after_a_store_restart_the_reseeded_round_is_where_the_dead_are_named(
-        store: tuple[Any, int]) -> None:
+        service: tuple[Any, LivenessServer, int]) -> None:
     """A store restarted empty holds only what the members wrote back (the running round's
     record and ``aegis/base_round``: ``storeclient.reseed``), not round 0: the round to declare
     in is found from there (the chaos campaign's kills after a store restart went undeclared
     until this was so, and waited for the heartbeats' dead_after_s)."""
-    _, port = store
-    c = _client(port)
-    srv = LivenessServer(lambda: _client(port), host="127.0.0.1")
-    try:
-        srv.publish(c)
-        c.set("aegis/round/5/members", "{}")
-        c.set("aegis/base_round", "5")
-        p = _member(port, "node-4/1/55")
-        _wait_for(lambda: "node-4/1/55" in srv.connected)
-        p.kill()
-        p.wait()
-        _wait_for(lambda: "node-4/1/55" in _dead(c, 5), 5)
-        assert not c.check(["aegis/round/0/dead"])
-    finally:
-        srv.close()
+    c, srv, port = service
+    c.set("aegis/round/5/members", "{}")
+    c.set("aegis/base_round", "5")
+    p = _member(port, "node-4/1/55")
+    _wait_for(lambda: "node-4/1/55" in srv.connected)
+    p.kill()
+    p.wait()
+    _wait_for(lambda: "node-4/1/55" in _dead(c, 5), 5)
+    assert not c.check(["aegis/round/0/dead"])
