@@ -194,7 +194,6 @@ class ModelOptimizerState:
             options=self.options,
         )
 
-
     def _model_loaded_in_place(self, cache: tuple[list[Any], list[int], list[Any], dict[str, Any]],
                                model_state: Mapping[str, Any]) -> bool:
         """Whether every entry of ``model_state`` is the tensor of the cached state dict, and
