@@ -50,20 +50,36 @@ def kill_tree(pid: int, sig: int = signal.SIGKILL) -> list[int]:
     return [pid, *victims]
 
 
+def _exiting(pid: int) -> bool:
+    """True while any thread of ``pid`` has not finished exiting.
+
+    The thread-group leader turns zombie as soon as its own thread is done, while another
+    thread may still be unmapping the process's memory, before the kernel closes its files:
+    measured here, a SIGKILLed process holding 1-4 GiB showed 'Z' after 0.25 ms and its TCP
+    peer saw the connection end 12-40 ms later. A caller that removes the node's network on
+    'Z' lost that FIN (issue 25: a killed node's process never declared by the liveness
+    service). Threads that finished are gone from ``task/``; the leader stays, as a zombie."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):  # that thread is gone
+            continue
+        if state != "Z":
+            return True
+    return False
+
+
 def wait_gone(pids: list[int], timeout: float = 10.0) -> bool:
-    """True once none of ``pids`` is alive (zombies count as gone)."""
+    """True once every thread of every one of ``pids`` has exited, so that the processes' files
+    are closed (their sockets' ends sent). A zombie counts as gone: nobody may reap it here."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        alive = []
-        for p in pids:
-            try:
-                with open(f"/proc/{p}/stat") as f:
-                    state = f.read().rsplit(")", 1)[1].split()[0]
-                if state != "Z":
-                    alive.append(p)
-            except OSError:  # gone (FileNotFoundError, or ProcessLookupError mid-read)
-                continue
-        if not alive:
+        if not any(_exiting(p) for p in pids):
             return True
-        time.sleep(0.05)
+        time.sleep(0.01)
     return False
