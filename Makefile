@@ -12,7 +12,7 @@ export OMP_NUM_THREADS ?= 1
 TITAN_TEST_DEPS := torchdata==0.11.0 tyro==1.0.17 spmd_types==0.2.3 einops==0.8.2
 TITAN_TEST_NODEPS := torchtitan==0.3.0 triton==3.9.0
 
-.PHONY: venv demo test chaos chaos-inprocess chaos-xor chaos-3x2 chaos-xor-3x2 chaos-rs6 chaos-long worker-trade lint bench goodput gpu-wheels clean
+.PHONY: venv demo test chaos chaos-inprocess chaos-xor chaos-3x2 chaos-xor-3x2 chaos-rs6 chaos-long chaos-spares worker-trade lint bench goodput gpu-wheels clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -80,6 +80,12 @@ chaos-long: venv
 	$(MAKE) chaos-3x2 CHAOS_SEED=18 CHAOS_FAULTS=24
 	$(MAKE) chaos-3x2 CHAOS_SEED=19 CHAOS_FAULTS=24
 	$(BIN)/python -m tests.chaos.long_table $(LONG)
+
+# Spares (run_in_process(max_world=)): one spare node waits beside the 3 x 2 job and steps in at
+# the first round after a loss; the node kills and double kills that otherwise wait for a
+# replacement's processes (~15 min). CHAOS_SEED picks the seed.
+chaos-spares: venv
+	$(BIN)/python -m tests.chaos.campaign --seed $(CHAOS_SEED) --faults $(CHAOS_FAULTS) --in-process --topology 3x2 --spares 1 --kinds kill,double_kill,freeze,partition,worker_kill --workdir /tmp/aegis-chaos-spares-$(CHAOS_SEED) --out bench/results/chaos_spares_seed$(CHAOS_SEED).json
 
 # One worker killed on a 2-rank node: replace it (aegis.launch) or let its node leave the job (~5 min).
 worker-trade: venv

@@ -566,6 +566,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="recover in place: survivors of a lost peer re-form their groups and go on "
                         "in the same processes (aegis.run_in_process; needs AEGIS_MEMBERSHIP)")
     p.add_argument("--min-world", type=int, default=1, help="--in-process: smallest world to go on with")
+    p.add_argument("--max-world", type=int, default=None,
+                   help="--in-process: the most processes that train; more wait as spares and "
+                        "step in at the first round after a loss")
     p.add_argument("--dead-after", type=float, default=1.0,
                    help="--in-process: a peer silent this long (s) is declared dead and fenced off")
     p.add_argument("--no-aegis", action="store_true", help="train without checkpointing")
@@ -632,7 +635,7 @@ def _run_in_process(args: argparse.Namespace) -> int:
         return rc
 
     rc = aegis.run_in_process(
-        train, min_world=args.min_world, dead_after_s=args.dead_after,
+        train, min_world=args.min_world, max_world=args.max_world, dead_after_s=args.dead_after,
         collective_timeout=timedelta(seconds=args.pg_timeout or 30),
     )
     if rc is None:  # started (or came back) after the job had finished

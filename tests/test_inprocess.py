@@ -40,7 +40,7 @@ def _digest(model: Any, opt: Any) -> str:
 
 def _worker(i: int, port: int, root: str, world: int, steps: int, kill: tuple[int, int] | None,
             fail_rounds: int, log: str, timeout_s: float, step_sleep: float, reuse: bool,
-            skew: tuple[int, float, float] | None = None) -> None:
+            skew: tuple[int, float, float] | None = None, max_world: int | None = None) -> None:
     os.environ.update(AEGIS_MEMBERSHIP=f"127.0.0.1:{port}", WORLD_SIZE=str(world), LOCAL_RANK="0",
                       AEGIS_NODE_ID=f"n{i}", OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
@@ -85,7 +85,7 @@ def _worker(i: int, port: int, root: str, world: int, steps: int, kill: tuple[in
                 emit(event="first_step", round=w.round, step=step, t=time.time())
             emit(event="step", round=w.round, rank=w.rank, world=w.size, step=step, loss=loss.hex())
             time.sleep(step_sleep)
-            if kill is not None and w.round == 0 and step == kill[1]:
+            if kill is not None and w.round == 0 and _kill_now(step, kill[1], max_world, log):
                 mgr.wait()  # step committed (and replicated) before the node is lost
                 digest = _digest(model, opt)  # collective; the full state is on rank 0
                 emit(event="saved", rank=w.rank, step=step, digest=digest)
@@ -116,7 +116,7 @@ def _worker(i: int, port: int, root: str, world: int, steps: int, kill: tuple[in
              rss=int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
 
     try:
-        aegis.run_in_process(train, min_world=1, dead_after_s=1.0, heartbeat_s=0.2,
+        aegis.run_in_process(train, min_world=1, max_world=max_world, dead_after_s=1.0, heartbeat_s=0.2,
                              collective_timeout=timedelta(seconds=timeout_s), on_round=on_round)
     except aegis.RecoveryGaveUp as e:
         emit(event="gave_up", error=str(e))
@@ -130,6 +130,17 @@ def _worker(i: int, port: int, root: str, world: int, steps: int, kill: tuple[in
     out.close()
 
 
+def _kill_now(step: int, at: int, max_world: int | None, log: str) -> bool:
+    """The loss comes at step ``at``; with a spare (``max_world``), at the first step from
+    ``at`` on after the test removed its ``hold`` file (the spare has registered and snapshots
+    went by): the ranks agree on it with an all-reduce, so that they all take the same step."""
+    if max_world is None or step < at:
+        return step == at
+    go = torch.tensor([0.0 if os.path.exists(f"{log}/hold") else 1.0])
+    torch.distributed.all_reduce(go, op=torch.distributed.ReduceOp.MIN)
+    return bool(go.item())
+
+
 def _read(log: Path, node: str) -> list[dict[str, Any]]:
     path = log / f"{node}.jsonl"
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
@@ -139,10 +150,12 @@ def _run(tmp: Path, world: int, steps: int, *, kill: tuple[int, int] | None = No
          fail_rounds: int = 0, timeout: float = 240, timeout_s: float = 20.0, step_sleep: float = 0.0,
          freeze: tuple[int, int] | None = None, reuse: bool = False,
          replace: bool = False, store: Any = None,
-         skew: tuple[int, float, float] | None = None) -> dict[str, list[dict[str, Any]]]:
+         skew: tuple[int, float, float] | None = None,
+         spare: bool = False) -> dict[str, list[dict[str, Any]]]:
     """``freeze=(node, step)``: SIGSTOP that node's process once it logged the step, SIGCONT it
     once another node restored without it. ``store``: the membership store of an earlier run
-    (the job restarted as a whole by its launcher)."""
+    (the job restarted as a whole by its launcher). ``spare``: run with ``max_world=world``
+    and start one more process once the job trains; ``kill`` waits until it has registered."""
     if store is None:
         store = torch.distributed.TCPStore("127.0.0.1", free_port(), is_master=True,
                                            wait_for_workers=False, timeout=timedelta(seconds=60))
@@ -150,13 +163,30 @@ def _run(tmp: Path, world: int, steps: int, *, kill: tuple[int, int] | None = No
     root, log = tmp / "nodes", tmp / "log"
     log.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("spawn")
+    max_world = world if spare else None
     procs = [ctx.Process(target=_worker, args=(i, port, str(root), world, steps, kill,
                                                fail_rounds, str(log), timeout_s, step_sleep, reuse,
-                                               skew))
+                                               skew, max_world))
              for i in range(world)]
+    if spare:
+        (log / "hold").write_text("")
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
+    if spare:  # the spare starts once the job trains; the loss waits until it registered
+        while not any(e["event"] == "step" for e in _read(log, "n0")):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        procs.append(ctx.Process(target=_worker, args=(world, port, str(root), world, steps, None,
+                                                       0, str(log), timeout_s, step_sleep, reuse,
+                                                       None, max_world)))
+        procs[-1].start()
+        while int(store.add("aegis/join/count", 0)) < 1:
+            assert time.monotonic() < deadline and procs[-1].is_alive()
+            time.sleep(0.05)
+        time.sleep(1.0)  # a few snapshots with the spare registered: none may admit it
+        (log / "spare_waited").write_text(str(time.time()))
+        (log / "hold").unlink()
     if freeze is not None:
         victim = procs[freeze[0]]
         while not any(e["event"] == "step" and e["step"] >= freeze[1]
@@ -346,6 +376,48 @@ def test_a_replacement_joins_the_running_job_at_the_next_snapshot(tmp_path: Path
         [e for e in out["n0"] if e["event"] == "step"][1:], strict=True)
         if a["round"] == 1 and b["round"] == 2)
     print(f"survivor stall while the replacement joined: {stall:.2f} s")
+
+
+def test_a_spare_waits_while_the_world_is_full_and_steps_in_at_the_loss(tmp_path: Path) -> None:
+    """``max_world=3`` and a fourth process started while the job trains: it registers and
+    waits, and the survivors' snapshots do not admit it (no regroup round while the world is
+    full). When a member is SIGKILLed, the spare joins the round the survivors form: the
+    world stays at 3 (no shrink, no wait for a replacement to start), the spare restores the
+    lost rank's share from its peers at the survivors' step, and the job goes on to the end."""
+    out = _run(tmp_path, 3, 80, kill=(1, 4), step_sleep=0.05, spare=True)
+    rounds = [(e["round"], e["world"], e["cause"]) for e in out["n0"] if e["event"] == "round"]
+    assert [r[:2] for r in rounds] == [(0, 3), (1, 3)], rounds  # no regroup, no shrink
+    saved = next(e for e in out["n0"] if e["event"] == "saved")
+    at = saved["step"]
+    assert at < 70, "the job was nearly done before the spare had registered"
+    # snapshots went by while the spare waited, and none admitted it (no round ended)
+    waited = float((tmp_path / "log" / "spare_waited").read_text())
+    while_waiting = [e for e in out["n0"] if e["event"] == "step" and e["round"] == 0
+                     and e["time"] <= waited]
+    registered_steps = [e for e in while_waiting if e["time"] >= waited - 1.0]
+    assert len(registered_steps) >= 3, registered_steps
+    spare = out["n3"]
+    assert spare[-1]["event"] == "done", spare[-3:]
+    assert [(e["round"], e["world"]) for e in spare if e["event"] == "round"] == [(1, 3)]
+    joined = next(e for e in spare if e["event"] == "restored")
+    for node in ("n0", "n2"):
+        evs = out[node]
+        assert evs[-1]["event"] == "done", evs[-3:]
+        rounds = [(e["round"], e["world"]) for e in evs if e["event"] == "round"]
+        assert rounds == [(0, 3), (1, 3)], rounds  # no regroup for the spare, no shrink
+        back = next(e for e in evs if e["event"] == "restored")
+        assert back["round"] == 1 and back["step"] == joined["step"] == at
+    # the whole state (gathered on rank 0, n0 in both rounds) is the one saved at the loss
+    restored = next(e for e in out["n0"] if e["event"] == "restored")
+    assert restored["digest"] == saved["digest"]
+    # every step after the loss trained once, by the three ranks of round 1
+    after = [e["step"] for e in out["n0"] if e["event"] == "step" and e["round"] == 1]
+    assert after == list(range(at + 1, 81))
+    assert sorted({e["rank"] for n in ("n0", "n2", "n3") for e in out[n]
+                   if e["event"] == "step" and e["round"] == 1}) == [0, 1, 2]
+    killed = next(e for e in out["n1"] if e["event"] == "saved")
+    first = next(e for e in out["n0"] if e["event"] == "first_step" and e["round"] == 1)
+    print(f"kill -> first step with the spare: {first['t'] - killed['time']:.2f} s")
 
 
 def test_a_member_watched_anew_counts_as_just_seen_and_rejoin_backs_off(

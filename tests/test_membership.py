@@ -34,6 +34,7 @@ from aegis.training.inprocess.membership import (
     ring,
     successors,
 )
+from aegis.training.inprocess.round import Round, joiners_registered, joiners_waiting
 
 INTERVAL = 0.2  # run_in_process' defaults
 DEAD_AFTER = 1.0
@@ -804,3 +805,52 @@ def test_after_a_store_restart_members_not_back_yet_are_not_declared() -> None:
     finally:
         watcher.stop()
         member.stop()
+
+
+def test_a_full_round_votes_to_admit_nobody_and_a_round_with_room_only_what_fits() -> None:
+    """``max_world``: the joiners a snapshot's vote counts are capped by the round's room (the
+    same on every member), so a full round admits nobody (the processes wait as spares) and a
+    round with room for one admits the first slot only."""
+    saved = (Round.members, Round.admitted, Round.joiners, Round.max_world)
+    try:
+        Round.members, Round.admitted, Round.joiners = ["a", "b", "c"], 2, lambda: 5
+        Round.max_world = None
+        assert joiners_registered() == 5 and joiners_waiting(joiners_registered())
+        Round.max_world = 3
+        assert joiners_registered() == 2 and not joiners_waiting(joiners_registered())
+        Round.max_world = 4
+        assert joiners_registered() == 3 and joiners_waiting(joiners_registered())
+        Round.members = ["a", "b"]  # a loss: room for two
+        assert joiners_registered() == 4
+    finally:
+        Round.members, Round.admitted, Round.joiners, Round.max_world = saved
+
+
+def test_a_round_formed_full_leaves_the_last_joiner_out_as_a_spare(store: dist.TCPStore) -> None:
+    """A first round of four processes with ``max_world=3``: three are members (uid order) and
+    the fourth is told it is a spare (``Excluded.spare``), not that it missed a round."""
+    uids = [f"n{i}/0/1" for i in range(4)]
+    ms = _members(store.port, uids)
+    try:
+        for m in ms:
+            m.m.max_world = 3
+        results = _all(lambda m: _outcome(lambda: m.enter(0, None, 4)), ms)
+        assert results[:3] == [uids[:3]] * 3
+        assert isinstance(results[3], Excluded) and results[3].spare
+    finally:
+        _stop(ms)
+
+
+def _outcome(fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except Excluded as e:
+        return e
+
+
+def test_a_max_world_below_min_world_is_refused_before_anything_starts() -> None:
+    import aegis
+    from aegis.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="max_world .* must be at least min_world"):
+        aegis.run_in_process(lambda w: None, min_world=3, max_world=2)

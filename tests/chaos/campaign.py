@@ -118,6 +118,7 @@ class Config:
     network: bool = True  # network namespaces, when the machine allows them
     in_process: bool = False  # aegis.run_in_process instead of torchrun restarts
     redundancy: str = "replica"  # or "xor" / "rs": one parity group over all nodes (issue 16)
+    spares: int = 0  # --in-process: nodes started beside the job that wait (max_world) to step in
 
     @property
     def world(self) -> int:
@@ -253,7 +254,8 @@ class Campaign:
                 "--timeout", str(c.snapshot_timeout), "--pg-timeout", str(c.pg_timeout),
                 "--loss-log", str(loss), "--digest-log", str(digest),
                 "--step-sleep", str(c.step_sleep)] + (
-                    ["--in-process", "--min-world", str(self.min_world)] if c.in_process else [])
+                    ["--in-process", "--min-world", str(self.min_world)] if c.in_process else []) + (
+                    ["--max-world", str(c.world)] if c.in_process and c.spares else [])
 
     @property
     def min_world(self) -> int:
@@ -362,6 +364,7 @@ class Campaign:
             self.cluster.start()
             monitor.start()
             self._wait_steady(time.time(), first=True)
+            self._start_spares()
             for i, kind in enumerate(self.schedule()):
                 rec = self._inject(i, kind)
                 self.records.append(rec)
@@ -462,6 +465,12 @@ class Campaign:
         assert cl is not None
         node = rec.node
         pids = cl.nodes[node].worker_pids()
+        spare_pids: set[int] = set()
+        if self.cfg.spares:  # a process that trains, not one of a node's spares
+            training = {p for n, p in self._members_now() if n == node}
+            spare_pids = {p for nd in cl.nodes.values() if nd.alive for p in nd.workers()} - {
+                p for _, p in self._members_now()}
+            pids = {k: p for k, p in pids.items() if p in training}
         local = self.rng.choice(sorted(pids))
         before = {n: cl.nodes[n].worker_pids() for n in self._participants()}
         victim = pids[local]
@@ -494,11 +503,19 @@ class Campaign:
             return
         events = [e for e in self._events() if rec.t_start <= e["time"] <= rec.t_resolved]
         started = {e["pid"] for e in events if e["event"] == "start"}
-        strangers = sorted(started - others - {replacement})
+        strangers = sorted(started - others - {replacement} - spare_pids)
         rec.checks.append((f"the other workers went on in their processes (new processes: {strangers})",
                            not strangers))
         joined = [e for e in events if e["event"] == "restore" and e.get("found")
                   and e.get("_pid") == replacement]
+        if self.cfg.spares and replacement is not None and not joined:
+            # a spare stepped in at the loss: the replacement, started after, waits as a spare
+            waiting = (node, replacement) not in self._members_now()
+            rec.checks.append((
+                f"local rank {local} of {node} was replaced by a new process ({replacement}) that "
+                f"waits as a spare (a spare stepped in: world {self._last_world()} of "
+                f"{self.cfg.world})", waiting and self._last_world() == self.cfg.world))
+            return
         rec.checks.append((
             f"local rank {local} of {node} was replaced by a new process ({replacement}) that joined "
             f"at a snapshot ({'step ' + str(joined[0]['step']) if joined else 'no restore'})",
@@ -737,8 +754,71 @@ class Campaign:
     # -- waiting ---------------------------------------------------------------------------------
 
     def _participants(self) -> list[str]:
+        """The nodes that train (with spares: that have a process in the newest round; a node
+        whose processes all wait as spares is no fault target)."""
         assert self.cluster is not None
-        return sorted(n for n, nd in self.cluster.nodes.items() if nd.alive and nd.workers())
+        nodes = [n for n, nd in self.cluster.nodes.items() if nd.alive and nd.workers()]
+        if self.cfg.spares:
+            training = {n for n, _ in self._members_now()}
+            nodes = [n for n in nodes if n in training]
+        return sorted(nodes)
+
+    def _members_now(self) -> set[tuple[str, int]]:
+        """(node, pid) of every process of the newest round formed, read from the membership
+        store as its processes read it (the proposer's whole list)."""
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        from aegis.training.inprocess.membership import latest_round
+
+        cl = self.cluster
+        assert cl is not None
+        for attempt in range(30):  # the store may be restarting (a store fault just before)
+            try:
+                store = dist.TCPStore(cl.host, cl.port, is_master=False, wait_for_workers=False,
+                                      timeout=timedelta(seconds=10))
+                r = latest_round(store)
+                record = json.loads(store.get(f"aegis/round/{r}/members").decode())
+                members = record.get("members") or json.loads(
+                    store.get(f"aegis/round/{r}/list/{record['by']}").decode())
+                out = set()
+                for uid in members:
+                    node, _, pid = uid.split("/")
+                    out.add((node, int(pid)))
+                return out
+            except Exception:  # noqa: BLE001 - the store away: again in a second
+                if attempt == 29:
+                    raise
+                time.sleep(1.0)
+        return set()
+
+    def _start_spares(self) -> None:
+        """``spares`` nodes that wait beside the full job; returns once each of their workers has
+        registered to join (the store's join counter), so that the first fault finds them
+        waiting."""
+        if not self.cfg.spares:
+            return
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        cl = self.cluster
+        assert cl is not None
+        for _ in range(self.cfg.spares):
+            self._add_node()
+        store = dist.TCPStore(cl.host, cl.port, is_master=False, wait_for_workers=False,
+                              timeout=timedelta(seconds=30))
+        want = self.cfg.spares * self.cfg.nproc_per_node
+        deadline = time.monotonic() + 180
+        while int(store.add("aegis/join/count", 0)) < want:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{want} spare worker(s) did not register within 180 s")
+            time.sleep(0.2)
+
+    def _last_world(self) -> int:
+        losses = read_jsonl(self.loss_log)
+        return losses[-1]["world"] if losses else 0
 
     def _last_step(self) -> int:
         losses = read_jsonl(self.loss_log)
@@ -783,7 +863,11 @@ class Campaign:
             starts = [e["time"] for e in self._events() if e["event"] == "start" and e["time"] > since]
             last_start = max(starts, default=since)
             recent = [x for x in losses if x["time"] > last_start]
-            if (len(alive) < self.cfg.nodes and recent
+            if self.cfg.spares and len(alive) < self.cfg.nodes + self.cfg.spares:
+                self._add_node()  # a spare stepped in (or a node was lost): one more waits
+                time.sleep(1.0)
+                continue
+            if (not self.cfg.spares and len(alive) < self.cfg.nodes and recent
                     and recent[-1]["world"] == len(alive) * self.cfg.nproc_per_node):
                 self._add_node()  # the job runs shrunk: a new node joins (the job restarts, or not)
                 time.sleep(1.0)
@@ -856,6 +940,7 @@ class Campaign:
             "seed": self.cfg.seed,
             "mode": "in-process" if self.cfg.in_process else "restart",
             "topology": f"{self.cfg.nodes}x{self.cfg.nproc_per_node}",
+            "spares": self.cfg.spares,
             "launcher": "aegis.launch --on-worker-failure=replace" if self.cfg.launcher_policy else "torchrun",
             "redundancy": self.cfg.redundancy,
             "faults_planned": self.cfg.faults,
@@ -965,6 +1050,9 @@ def main(argv: list[str] | None = None) -> int:
                         "parity over the nodes")
     p.add_argument("--topology", default="3x1", metavar="NxR",
                    help=f"N nodes of R ranks each ({', '.join(TOPOLOGIES)}; default 3x1)")
+    p.add_argument("--spares", type=int, default=0,
+                   help="--in-process: nodes that wait beside the job (max_world) and step in "
+                        "at the first round after a loss")
     a = p.parse_args(argv)
     kinds = tuple(k for k in a.kinds.split(",") if k)
     bad = set(kinds) - set(ALL_KINDS)
@@ -979,8 +1067,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--topology {a.topology!r}: give NxR, e.g. 3x2")
     if nodes < 3 or nproc < 1:
         p.error(f"--topology {a.topology}: at least 3 nodes (the world shrinks by one) of >= 1 rank")
+    if a.spares < 0 or (a.spares and not a.in_process):
+        p.error("--spares N (N >= 0) needs --in-process: spares wait in run_in_process")
     cfg = Config(seed=a.seed, faults=a.faults, kinds=kinds, workdir=Path(a.workdir), network=not a.no_network,
-                 in_process=a.in_process, redundancy=a.redundancy, nodes=nodes, nproc_per_node=nproc)
+                 in_process=a.in_process, redundancy=a.redundancy, nodes=nodes, nproc_per_node=nproc,
+                 spares=a.spares)
     s = Campaign(cfg).run()
     print()
     print(format_table(s))

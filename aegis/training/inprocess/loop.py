@@ -300,6 +300,7 @@ def run_in_process(
     train: Callable[[World], Any],
     *,
     min_world: int = 1,
+    max_world: int | None = None,
     max_restarts: int = 100,
     heartbeat_s: float = 0.2,
     dead_after_s: float = 1.0,
@@ -317,7 +318,12 @@ def run_in_process(
     Every process of the job calls it once, instead of ``init_process_group``; ``train`` must
     build everything that is bound to the process group (device mesh, FSDP model, optimizer,
     the aegis ``Manager``) itself. ``WORLD_SIZE`` (torchrun's) is the size of the first round;
-    later rounds have the survivors (at least ``min_world``). A peer counts as dead once its
+    later rounds have the survivors (at least ``min_world``). ``max_world``: the most processes
+    that train; more (a spare node started beside the job, or a first round bigger than it)
+    wait as *spares*, already started and connected, and the first round formed after a loss
+    takes them in at once, instead of going on smaller (or, below ``min_world``, waiting for a
+    replacement to start). None (the default): every process that comes is taken in, at the
+    survivors' next snapshot. A peer counts as dead once its
     heartbeat has not moved for ``dead_after_s``; then this process fences it off (gloo: its
     connections shut down; NCCL: the communicators aborted), so a collective waiting on it ends
     then, not at ``collective_timeout``. Each process watches two members (its successors on a
@@ -347,6 +353,10 @@ def run_in_process(
         raise ConfigError(f"run_in_process(min_world={min_world}, heartbeat_s={heartbeat_s}, "
                           f"dead_after_s={dead_after_s}): need min_world >= 1 and dead_after_s > "
                           "heartbeat_s")
+    if max_world is not None and max_world < min_world:
+        raise ConfigError(f"run_in_process(min_world={min_world}, max_world={max_world}): "
+                          "max_world (the most processes that train; more wait as spares) must "
+                          "be at least min_world; leave it out to take in every process")
     if dist.is_initialized():
         raise ConfigError("run_in_process() creates the process groups itself: call it instead of "
                           "init_process_group(), not after it")
@@ -383,8 +393,10 @@ def run_in_process(
                    on_restart=lambda st: reseed(st, Round.r, list(Round.members), Round.admitted,
                                                 uid), also=(JOIN_COUNT,))
     Round.joiners = lambda: hb.readings.get(JOIN_COUNT, 0)
+    Round.max_world = max_world
     membership = Membership(store, uid, hb, dead_after_s=dead_after_s,
-                            form_timeout_s=form_timeout.total_seconds(), min_world=min_world)
+                            form_timeout_s=form_timeout.total_seconds(), min_world=min_world,
+                            max_world=max_world)
     first = int(os.environ.get("WORLD_SIZE", "1"))
     r = 0
     previous: list[str] | None = None
@@ -423,7 +435,7 @@ def run_in_process(
                 members, admitted = membership.form(r, previous, first, join_slot=join_slot)
             except Excluded as e:
                 join = True  # left out while silent: register and come back at a snapshot
-                misses += 1
+                misses += 0 if e.spare else 1  # a full round is no miss: a spare waits
                 cause = str(e)
                 continue
             except StoreRestarted as e:
@@ -544,6 +556,7 @@ def run_in_process(
         link.leave(bye=clean)  # leaving on an error: declared at once, as if dead
         hb.stop()
         Round.joiners = None
+        Round.max_world = None
         Round.creating = False
         store.close()
         hb_store.close()

@@ -525,13 +525,15 @@ class Membership:
     """Rounds of membership agreed through one TCPStore (see the module docstring)."""
 
     def __init__(self, store: Any, uid: str, hb: Heartbeat, *, dead_after_s: float,
-                 form_timeout_s: float, min_world: int, poll_s: float = 0.01) -> None:
+                 form_timeout_s: float, min_world: int, max_world: int | None = None,
+                 poll_s: float = 0.01) -> None:
         self.store = store
         self.uid = uid
         self.hb = hb
         self.dead_after_s = dead_after_s
         self.form_timeout_s = form_timeout_s
         self.min_world = min_world
+        self.max_world = max_world  # None: every process that comes is taken in
         self.poll_s = poll_s
         self._lists: dict[int, list[str]] = {}  # member lists of the rounds known here
         self.proposed: list[int] = []  # rounds this process proposed (tests, bench)
@@ -559,9 +561,17 @@ class Membership:
             self._await(r, previous, expected_first, deadline, proposer, eligible)
         members, admitted = self._read(r)
         if self.uid not in members:
+            if self.full(members):
+                raise Excluded(f"round {r} was formed full ({len(members)} of max_world="
+                               f"{self.max_world}) without this process ({self.uid}): a spare",
+                               spare=True)
             raise Excluded(f"round {r} was formed without this process ({self.uid})")
         self._keep(r, members)
         return members, admitted
+
+    def full(self, members: list[str]) -> bool:
+        """The round of ``members`` has ``max_world`` processes: one more waits as a spare."""
+        return self.max_world is not None and len(members) >= self.max_world
 
     def _alive(self, uid: str, declared: set[str]) -> bool:
         return uid not in declared and self.hb.silent_for(uid) < self.dead_after_s
@@ -643,6 +653,14 @@ class Membership:
 
     def _write(self, r: int, previous: list[str] | None, joined: dict[str, int]) -> None:
         order = {u: k for k, u in enumerate(previous or [])}
+        if self.max_world is not None and len(joined) > self.max_world:
+            # the members of the previous round first, then the others in the order they
+            # joined (a first round: in uid order); the rest stay spares (they are Excluded,
+            # and wait in join() until a round has room)
+            ranked = sorted(joined, key=lambda u: (order.get(u, len(order)),
+                                                   u if previous is None else ""))
+            keep = set(ranked[:max(self.max_world, sum(1 for u in joined if u in order))])
+            joined = {u: j for u, j in joined.items() if u in keep}
         proposal = sorted(joined, key=lambda u: (order.get(u, len(order)), u))
         admitted = max([int(self.store.add("aegis/admitted", 0))] + [joined[u] for u in proposal])
         record: dict[str, Any] = {"admitted": admitted, "by": self.uid}
@@ -766,6 +784,11 @@ class Membership:
           members watched, and the job is taken for dead once none of them moved for
           ``dead_after_s``.
 
+        * while the newest round is full (``max_world`` members), it waits as a *spare*, with
+          no time limit: the survivors admit none at their snapshots, and it joins the next
+          round that is formed after a loss (it watches for one every poll); a round that
+          fills up without it is not counted as a miss.
+
         ``misses``: admitted rounds this process missed in a row; it registers after
         :func:`backoff_s` of them, and again after a longer wait each time its slot is admitted
         into a round it misses. 5 requests per poll (every ``poll_s``), the newest round's list
@@ -800,10 +823,12 @@ class Membership:
             if int(store.add(_rk(r + 1, "count"), 0)) > 0:  # survivors are forming a round
                 return r + 1, members, slot
             if int(store.add("aegis/admitted", 0)) >= slot and not store.check([key]):
-                # its slot was admitted into a round it missed: a new slot, after a while
-                misses += 1
-                if not backoff(store, backoff_s(misses)):
-                    return -1, None, 0
+                # its slot was admitted into a round it missed: a new slot, after a while (at
+                # once for a spare passed over by a round that filled up: not a miss)
+                if not self.full(members):
+                    misses += 1
+                    if not backoff(store, backoff_s(misses)):
+                        return -1, None, 0
                 slot = self._register()
                 key = f"aegis/join/round/{slot}"
             watched = hb.watched()
@@ -813,6 +838,8 @@ class Membership:
                     return r + 1, None, slot  # nobody of the newest round is alive: restarted job
                 hb.watch(others)  # the sample is silent: all of them, before concluding
                 since, everyone = time.monotonic(), True
+            if time.monotonic() > deadline and self.full(members):
+                deadline = time.monotonic() + timeout_s  # a spare waits for room, unbounded
             if time.monotonic() > deadline:
                 raise RecoveryGaveUp(f"registered to join the running job (slot {slot}) but was "
                                      f"not admitted within {timeout_s:.0f} s: the job saves no "
@@ -826,7 +853,12 @@ def _apply(base: list[str], record: dict[str, Any]) -> list[str]:
 
 
 class Excluded(RecoveryGaveUp):  # noqa: N818
-    """A round formed without this process (it was silent: frozen, cut off, or late)."""
+    """A round formed without this process (it was silent: frozen, cut off, or late; or the
+    round was full, ``spare``: it waits for room, which is not a miss)."""
+
+    def __init__(self, message: str, *, spare: bool = False) -> None:
+        super().__init__(message)
+        self.spare = spare
 
 
 def latest_round(store: Any, start: int = 0) -> int:

@@ -85,6 +85,7 @@ class Round:
     saves: int = 0  # Manager.save() calls that snapshotted in this round (empty rounds)
     create_timeout: Any = None  # run_in_process' bound on creating a round's groups
     joiners: Any = None  # () -> the join counter as the heartbeat last read it
+    max_world: int | None = None  # run_in_process(max_world=): more processes wait as spares
 
 
 # -- Managers of the current round: aborted (no collectives) when the round fails -------------
@@ -125,7 +126,19 @@ def in_round() -> bool:
 
 
 def joiners_registered() -> int:
-    """How many processes have registered to join the job (``Manager.save`` votes with it)."""
+    """How many processes have registered to join the job (``Manager.save`` votes with it), as
+    far as the round has room for them: with ``max_world``, the join slots beyond the room
+    (``max_world`` less the members) are not counted, so a full round admits nobody and the
+    processes that registered wait as spares. The cap is the same on every member (the round's
+    size and slots admitted), so the vote's maximum is capped the same way."""
+    registered = _registered()
+    if Round.max_world is None:
+        return registered
+    room = max(0, Round.max_world - len(Round.members))
+    return min(registered, Round.admitted + room)
+
+
+def _registered() -> int:
     if Round.joiners is not None:  # the heartbeat's reading: no store request here
         return max(Round.admitted, Round.joiners())
     if Round.store is None:
