@@ -141,6 +141,7 @@ class FaultRecord:
     t_end: float = 0.0
     t_resolved: float = 0.0
     step_before: int = 0  # last step logged before the fault
+    running: list[int] = field(default_factory=list)  # worker pids alive when it was injected
     restarts: int = 0
     in_place: int = 0  # in-process recoveries (rounds re-formed), --in-process
     relaunches: int = 0  # whole-job requeues (an agent exited and closed the rendezvous)
@@ -405,7 +406,9 @@ class Campaign:
         delay = self.rng.uniform(0.0, 1.0)  # a random moment within the next step or so
         step_before = self._last_step()
         time.sleep(delay)
-        rec = FaultRecord(i + 1, kind, node, "", time.time(), step_before=step_before)
+        rec = FaultRecord(i + 1, kind, node, "", time.time(), step_before=step_before,
+                          running=sorted(p for nd in self.cluster.nodes.values() if nd.alive
+                                         for p in nd.workers()) if self.cluster else [])
         getattr(self, f"_fault_{kind}")(rec)
         return rec
 
@@ -651,7 +654,9 @@ class Campaign:
             # process restarts: a worker process started on a node that ran one before the fault
             earlier = [e for e in self._events() if e["event"] == "start" and e["time"] < rec.t_start]
             old_nodes = {e["_node"] for e in earlier}
-            old_pids = {(e["_node"], e.get("pid")) for e in earlier}
+            # (a spare that stepped in ran before the fault: not a restart)
+            old_pids = {(e["_node"], e.get("pid")) for e in earlier} | {
+                (e["_node"], e.get("pid")) for e in events if e.get("pid") in rec.running}
             rec.restarts = len({(e["_node"], e.get("pid")) for e in events if e["event"] == "start"
                                 and e["_node"] in old_nodes and (e["_node"], e.get("pid")) not in old_pids})
             rec.in_place = len({e["round"] for e in events if e["event"] == "recovery"})
