@@ -453,8 +453,14 @@ class Campaign:
             wait_exited(old, 60)  # the first recovery has begun
         gap = self.rng.uniform(0.0, 3.0)
         time.sleep(gap)
-        cl.kill_node(other)
+        t2 = cl.kill_node(other)
         self._add_node()
+        if self.cfg.in_process:
+            # the recovery from the second loss has begun too, before the fault is resolved:
+            # with a spare stepping in the world never looks short, and the next fault must
+            # not come while that recovery runs (a step whose shard and replica were on the
+            # two lost nodes is gone from memory then, and the check below would be wrong)
+            self._wait_recovered(t2, 60)
         rec.detail = f"then {other} {gap:.1f} s into the recovery; replacements join"
         rec.t_end = time.time()
         self._resolve(rec, expect_restart=True)
@@ -868,7 +874,7 @@ class Campaign:
             starts = [e["time"] for e in self._events() if e["event"] == "start" and e["time"] > since]
             last_start = max(starts, default=since)
             recent = [x for x in losses if x["time"] > last_start]
-            if self.cfg.spares and len(alive) < self.cfg.nodes + self.cfg.spares:
+            if self.cfg.spares and not first and len(alive) < self.cfg.nodes + self.cfg.spares:
                 self._add_node()  # a spare stepped in (or a node was lost): one more waits
                 time.sleep(1.0)
                 continue
