@@ -42,6 +42,9 @@ and join at a snapshot, and an agent that exits is relaunched alone. The agents 
 and joins at a snapshot (torchrun would restart every worker of the job). A fault's ``restarts``
 then counts worker processes started again on a node that already ran one (0 when every recovery
 was in place; 1 for a worker kill: its replacement), ``in place`` the rounds re-formed.
+``--spares N`` (with ``--in-process``): the trainer runs with ``max_world`` = the full world, N
+spare nodes are started once the job trains and kept topped up; a spare steps in at the first
+round after a loss, and fault targets are the nodes with a process in the newest round.
 
 Invariants, checked from the trainer's logs, the aegis events and the stores:
 
