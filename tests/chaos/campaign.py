@@ -479,10 +479,10 @@ class Campaign:
         pids = cl.nodes[node].worker_pids()
         spare_pids: set[int] = set()
         if self.cfg.spares:  # a process that trains, not one of a node's spares
-            training = {p for n, p in self._members_now() if n == node}
+            members = self._members_now()
             spare_pids = {p for nd in cl.nodes.values() if nd.alive for p in nd.workers()} - {
-                p for _, p in self._members_now()}
-            pids = {k: p for k, p in pids.items() if p in training}
+                p for _, p in members}
+            pids = {k: p for k, p in pids.items() if (node, p) in members}
         local = self.rng.choice(sorted(pids))
         before = {n: cl.nodes[n].worker_pids() for n in self._participants()}
         victim = pids[local]
@@ -523,10 +523,11 @@ class Campaign:
         if self.cfg.spares and replacement is not None and not joined:
             # a spare stepped in at the loss: the replacement, started after, waits as a spare
             waiting = (node, replacement) not in self._members_now()
+            world = self._last_world()
             rec.checks.append((
                 f"local rank {local} of {node} was replaced by a new process ({replacement}) that "
-                f"waits as a spare (a spare stepped in: world {self._last_world()} of "
-                f"{self.cfg.world})", waiting and self._last_world() == self.cfg.world))
+                f"waits as a spare (a spare stepped in: world {world} of {self.cfg.world})",
+                waiting and world == self.cfg.world))
             return
         rec.checks.append((
             f"local rank {local} of {node} was replaced by a new process ({replacement}) that joined "
@@ -780,18 +781,11 @@ class Campaign:
     def _members_now(self) -> set[tuple[str, int]]:
         """(node, pid) of every process of the newest round formed, read from the membership
         store as its processes read it (the proposer's whole list)."""
-        from datetime import timedelta
-
-        import torch.distributed as dist
-
         from aegis.training.inprocess.membership import latest_round
 
-        cl = self.cluster
-        assert cl is not None
         for attempt in range(30):  # the store may be restarting (a store fault just before)
             try:
-                store = dist.TCPStore(cl.host, cl.port, is_master=False, wait_for_workers=False,
-                                      timeout=timedelta(seconds=10))
+                store = self._membership_client()
                 r = latest_round(store)
                 record = json.loads(store.get(f"aegis/round/{r}/members").decode())
                 members = record.get("members") or json.loads(
@@ -813,22 +807,26 @@ class Campaign:
         waiting."""
         if not self.cfg.spares:
             return
-        from datetime import timedelta
-
-        import torch.distributed as dist
-
-        cl = self.cluster
-        assert cl is not None
         for _ in range(self.cfg.spares):
             self._add_node()
-        store = dist.TCPStore(cl.host, cl.port, is_master=False, wait_for_workers=False,
-                              timeout=timedelta(seconds=30))
+        store = self._membership_client()
         want = self.cfg.spares * self.cfg.nproc_per_node
         deadline = time.monotonic() + 180
         while int(store.add("aegis/join/count", 0)) < want:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{want} spare worker(s) did not register within 180 s")
             time.sleep(0.2)
+
+    def _membership_client(self) -> Any:
+        """A c10d client of the cluster's membership store (``aegis store serve``)."""
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        cl = self.cluster
+        assert cl is not None
+        return dist.TCPStore(cl.host, cl.port, is_master=False, wait_for_workers=False,
+                             timeout=timedelta(seconds=10))
 
     def _last_world(self) -> int:
         losses = read_jsonl(self.loss_log)
