@@ -151,6 +151,7 @@ class FaultRecord:
     restored: list[int] = field(default_factory=list)
     tiers: list[str] = field(default_factory=list)
     resume_s: float | None = None  # fault -> first step after the first restore
+    t_second: float | None = None  # double_kill: when the second node was killed
     lost_steps: int | None = None
     max_step_gap_s: float = 0.0
     checks: list[tuple[str, bool]] = field(default_factory=list)
@@ -207,6 +208,24 @@ class Campaign:
 
         return S3Store(BUCKET, "chaos", endpoint_url=self.moto_url, connect_timeout_s=2,
                        read_timeout_s=5, retry=RetryPolicy(max_attempts=2, max_total_s=5))
+
+    def _sample_cpu(self) -> None:
+        """The machine's CPU busy fraction every 50 ms (``/proc/stat``: all CPUs, every process,
+        the campaign's own included) to ``cpu.txt``, one ``<unix time> <busy 0-1>`` line per
+        sample: ``python -m tests.chaos.phases`` reads it to tell a recovery phase that waits
+        (detection) from one that competes for the CPUs."""
+        def read() -> tuple[int, int]:
+            with open("/proc/stat") as fh:
+                v = [int(x) for x in fh.readline().split()[1:]]
+            return sum(v), v[3] + v[4]  # all jiffies, idle + iowait
+
+        with contextlib.suppress(OSError), open(self.work / "cpu.txt", "w") as out:
+            before = read()
+            while not self._monitor_stop.wait(0.05):
+                now = read()
+                total, idle = now[0] - before[0], now[1] - before[1]
+                out.write(f"{time.time():.3f} {1.0 - idle / max(total, 1):.3f}\n")
+                before = now
 
     def _monitor(self) -> None:
         """Invariant 4: the newest committed durable step seen so far is always still there."""
@@ -355,6 +374,8 @@ class Campaign:
         cfg.kinds = tuple(kinds)
         t0 = time.time()
         monitor = threading.Thread(target=self._monitor, daemon=True)
+        sampler = threading.Thread(target=self._sample_cpu, daemon=True)
+        sampler.start()
         try:
             self._start_s3()
             self._run_reference()
@@ -390,6 +411,7 @@ class Campaign:
             if self.net is not None:
                 self.net.teardown()
         monitor.join(timeout=5)
+        sampler.join(timeout=5)
         left = wait_marker_gone(self.marker, 20)
         self.global_checks.append((f"no process of the campaign remains at the end ({left})", not left))
         self.global_checks.append((
@@ -456,7 +478,7 @@ class Campaign:
             wait_exited(old, 60)  # the first recovery has begun
         gap = self.rng.uniform(0.0, 3.0)
         time.sleep(gap)
-        t2 = cl.kill_node(other)
+        t2 = rec.t_second = cl.kill_node(other)
         self._add_node()
         if self.cfg.in_process:
             # the recovery from the second loss has begun too, before the fault is resolved:
