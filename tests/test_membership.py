@@ -586,7 +586,10 @@ def test_a_proposer_that_stops_is_replaced(store: dist.TCPStore) -> None:
 
 def test_a_joiner_joins_a_round_being_formed_directly(store: dist.TCPStore) -> None:
     """A process that registers while the survivors of a loss form the next round joins that
-    round directly (it counts as a member, not as a proposer) and gets the same list."""
+    round directly (it counts as a member, not as a proposer) and gets the same list. Its join
+    slot is admitted by that round for good: the round after the next loss does not count it
+    as waiting again (which made its members end a round at their next snapshot to admit a
+    process already among them: an empty round after each such loss)."""
     uids = [f"n{i}/0/1" for i in range(4)]
     ms = _members(store.port, uids)
     new = _Member(store.port, "nx/0/1")
@@ -600,6 +603,7 @@ def test_a_joiner_joins_a_round_being_formed_directly(store: dist.TCPStore) -> N
         def joiner() -> None:
             r, previous, slot = new.m.join(timeout_s=30)
             box["joined"] = (r, previous)
+            box["slot"] = slot
             box["members"] = new.enter(r, previous, 0, join_slot=slot)
 
         # the joiner finds round 1 being formed: the survivors are held until it has joined
@@ -626,6 +630,16 @@ def test_a_joiner_joins_a_round_being_formed_directly(store: dist.TCPStore) -> N
         assert box["joined"] == (1, members)
         assert all(x == box["members"] for x in out)
         assert box["members"] == [u for u in members if u != ms[3].uid] + ["nx/0/1"]
+        slot = box["slot"]
+        assert slot >= 1 and all(m.admitted >= slot for m in [*live, new])
+        # the next loss: the round the survivors form still counts the joiner's slot admitted
+        _stop([live[1]])
+        rest = [live[0], live[2], new]
+        _wait(lambda: all(m.round_failed() for m in rest), DEAD_AFTER + 5, "second loss seen")
+        lists = _all(lambda m: m.enter(2, box["members"], 0), rest)
+        assert all(x == lists[0] for x in lists) and live[1].uid not in lists[0]
+        assert [m.admitted for m in rest] == [slot] * 3, [m.admitted for m in rest]
+        assert int(store.add("aegis/admitted", 0)) == slot
     finally:
         _stop([*ms, new])
 

@@ -662,7 +662,15 @@ class Membership:
             keep = set(ranked[:max(self.max_world, sum(1 for u in joined if u in order))])
             joined = {u: j for u, j in joined.items() if u in keep}
         proposal = sorted(joined, key=lambda u: (order.get(u, len(order)), u))
-        admitted = max([int(self.store.add("aegis/admitted", 0))] + [joined[u] for u in proposal])
+        known = int(self.store.add("aegis/admitted", 0))
+        admitted = max([known] + [joined[u] for u in proposal])
+        if admitted > known:
+            # a joiner that walked into this round (registered after the survivors' vote, then
+            # found the round forming) was admitted here, not by admit(): the key follows, or
+            # the next round's record would count its slot as waiting again and its members
+            # would end a round at their next snapshot to admit a process already among them
+            # (an empty round per loss in the chaos campaign, issue 25)
+            self.store.set("aegis/admitted", str(admitted))
         record: dict[str, Any] = {"admitted": admitted, "by": self.uid}
         base = self._lists.get(r - 1) if previous is not None else None
         if base is not None:
