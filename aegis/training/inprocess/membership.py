@@ -662,9 +662,9 @@ class Membership:
             keep = set(ranked[:max(self.max_world, sum(1 for u in joined if u in order))])
             joined = {u: j for u, j in joined.items() if u in keep}
         proposal = sorted(joined, key=lambda u: (order.get(u, len(order)), u))
-        known = int(self.store.add("aegis/admitted", 0))
-        admitted = max([known] + [joined[u] for u in proposal])
-        if admitted > known:
+        admitted_before = int(self.store.add("aegis/admitted", 0))
+        admitted = max([admitted_before] + [joined[u] for u in proposal])
+        if admitted > admitted_before:
             # a joiner that walked into this round (registered after the survivors' vote, then
             # found the round forming) was admitted here, not by admit(): the key follows, or
             # the next round's record would count its slot as waiting again and its members
