@@ -19,6 +19,11 @@ With ``cpu.txt`` (the campaign samples ``/proc/stat`` every 50 ms), ``cpu_detect
 ``cpu_after`` are the machine's mean busy fraction (all CPUs) over the detection and over the
 rest of the recovery, and ``cpu_steady`` over the 5 s before the fault. For a double kill,
 ``resume_second`` is the second loss -> the first trained step after a restore that followed it.
+``empty_admissions``: rounds from the fault until it was resolved that the survivors ended at a
+snapshot to admit registered processes (cause ``regroup: ...``) and that formed no bigger than
+the round before: nobody was admitted, a round change for nothing. ``stalled``: the seconds
+spent in gaps of more than 1 s between two trained steps from the fault until it was resolved
+(every round change counts, the ones after the resume too).
 
     python -m tests.chaos.phases bench/results/chaos_rs6_fp_seed53.json [--workdir DIR] [--faults] [--out F]
 """
@@ -35,7 +40,7 @@ from typing import Any
 
 from aegis.sim.scenario import read_events, read_jsonl
 
-PHASES = ("detect", "teardown", "agree", "regroup", "manager_start", "restore", "first_step",
+PHASES = ("empty_admissions", "stalled", "detect", "teardown", "agree", "regroup", "manager_start", "restore", "first_step",
           "step_time", "save_time", "resume", "resume_second", "cpu_steady", "cpu_detect",
           "cpu_after")
 
@@ -86,6 +91,17 @@ def fault_phases(rec: dict[str, Any], events: list[dict[str, Any]], losses: list
         "cpu_detect": _busy(cpu, t0, failed),
         "cpu_after": _busy(cpu, failed, t0 + rec["resume_s"]),
     }
+    sizes: dict[int, int] = {}
+    for e in events:
+        if e["event"] == "recovery" and e["time"] <= rec["t_resolved"]:
+            sizes[e["round"]] = e["world_size"]
+    out["empty_admissions"] = float(sum(
+        1 for r, w in sizes.items()
+        if r - 1 in sizes and w <= sizes[r - 1] and any(
+            e["event"] == "recovery" and e["round"] == r and t0 <= e["time"]
+            and str(e.get("cause", "")).startswith("regroup:") for e in events)))
+    times = [t0] + [x["time"] for x in losses if t0 < x["time"] <= rec["t_resolved"]]
+    out["stalled"] = sum(b - a for a, b in zip(times, times[1:], strict=False) if b - a > 1.0)
     t2 = rec.get("t_second")
     if t2 is not None:
         back = next((e for e in events if e["event"] == "restore" and e.get("found")
@@ -120,7 +136,8 @@ def analyse(summary: dict[str, Any], workdir: Path) -> dict[str, Any]:
     kinds: dict[str, list[dict[str, Any]]] = {}
     for f in faults:
         kinds.setdefault(f["kind"], []).append(f)
-    medians = {k: {"faults": len(v), **{p: _median([f[p] for f in v]) for p in PHASES}}
+    medians = {k: {"faults": len(v), **{p: _median([f[p] for f in v]) for p in PHASES},
+                   "empty_admissions": sum(f["empty_admissions"] for f in v)}
                for k, v in sorted(kinds.items())}
     scheme = f"{summary['redundancy']} {summary['topology']}"
     return {"scheme": scheme, "seed": summary["seed"], "workdir": str(workdir),
@@ -161,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f["index"], f["kind"], {k: round(v, 2) for k, v in f.items()
                                           if isinstance(v, float) and not math.isnan(v)})
     print(f"{result['scheme']}, seed {result['seed']}: medians (s; cpu = the machine's busy "
-          f"fraction{'' if result['cpu_sampled'] else ', not sampled'})")
+          f"fraction{'' if result['cpu_sampled'] else ', not sampled'}; empty_admissions: the "
+          "total)")
     print(table(result))
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
