@@ -568,7 +568,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--min-world", type=int, default=1, help="--in-process: smallest world to go on with")
     p.add_argument("--max-world", type=int, default=None,
                    help="--in-process: the most processes that train; more wait as spares and "
-                        "step in at the first round after a loss")
+                        "step in after a loss (in the survivors' round or at their next snapshot)")
     p.add_argument("--dead-after", type=float, default=1.0,
                    help="--in-process: a peer silent this long (s) is declared dead and fenced off")
     p.add_argument("--no-aegis", action="store_true", help="train without checkpointing")

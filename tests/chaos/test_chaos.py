@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.chaos.campaign import KINDS, Campaign, Config, format_table
+from tests.chaos.phases import analyse
 
 # Restart mode: the kinds the in-process slice below does not run (a frozen node and a double
 # kill under torchrun restarts are in `make chaos`; they cost this suite ~1.5 min more).
@@ -51,6 +52,16 @@ def test_chaos_slice_in_process(tmp_path: Path) -> None:
     assert not s["violations"], f"{report}\nlogs: {cfg.workdir}"
     assert all(r["restarts"] == 0 for r in s["records"]), report  # every recovery in place
     assert all(r["in_place"] > 0 for r in s["records"]), report
+    # the phase breakdown (python -m tests.chaos.phases) reads what this campaign wrote
+    ph = analyse(json.loads(json.dumps(s, default=str)), cfg.workdir)
+    assert ph["cpu_sampled"], "the campaign wrote no CPU samples (cpu.txt)"
+    resumed = [r for r in s["records"] if r["resume_s"] is not None]
+    assert [f["index"] for f in ph["faults"]] == [r["index"] for r in resumed], ph["faults"]
+    for f in ph["faults"]:
+        assert 0 <= f["detect"] <= f["resume"] and f["restore"] > 0 and f["first_step"] > 0, f
+        assert 0 <= f["cpu_after"] <= 1 and f["stalled"] >= 0, f
+        if f["kind"] == "double_kill":
+            assert f["resume_second"] > 0, f
     missing = [r["kind"] for r in s["rows"] if r["kind"] in kinds and not r["injected"]]
     if missing:
         pytest.skip(f"{cfg.faults} faults held every invariant, but {missing} could not be "

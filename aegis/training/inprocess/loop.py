@@ -320,9 +320,11 @@ def run_in_process(
     the aegis ``Manager``) itself. ``WORLD_SIZE`` (torchrun's) is the size of the first round;
     later rounds have the survivors (at least ``min_world``). ``max_world``: the most processes
     that train; more (a spare node started beside the job, or a first round bigger than it)
-    wait as *spares*, already started and connected, and the first round formed after a loss
-    takes them in at once, instead of going on smaller (or, below ``min_world``, waiting for a
-    replacement to start). None (the default): every process that comes is taken in, at the
+    wait as *spares*, already started and connected: after a loss a spare joins the round the
+    survivors form if it finds that round before it is proposed (always below ``min_world``,
+    where the survivors wait for it instead of a replacement; after a quick detection the round
+    may form first, and then admits the spare at the survivors' next snapshot). None (the
+    default): every process that comes is taken in, at the
     survivors' next snapshot. A peer counts as dead once its
     heartbeat has not moved for ``dead_after_s``; then this process fences it off (gloo: its
     connections shut down; NCCL: the communicators aborted), so a collective waiting on it ends
