@@ -50,6 +50,11 @@ def _busy(cpu: list[tuple[float, float]], a: float, b: float) -> float:
     return statistics.mean(xs) if xs else math.nan
 
 
+def _began(e: dict[str, Any]) -> float:
+    """When a round's predecessor failed (``failed_at``), else when its teardown began."""
+    return float(e.get("failed_at") or e["time"] - sum(e["timings"].values()))
+
+
 def fault_phases(rec: dict[str, Any], events: list[dict[str, Any]], losses: list[dict[str, Any]],
                  cpu: list[tuple[float, float]]) -> dict[str, float] | None:
     """The phases of one fault (see the module docstring); None when it did not resume."""
@@ -57,8 +62,10 @@ def fault_phases(rec: dict[str, Any], events: list[dict[str, Any]], losses: list
         return None
     t0 = rec["t_start"]
     end = t0 + rec["resume_s"] + 0.01
+    # the rounds that began at the fault or later (a round under way when it came, e.g. one
+    # admitting a joiner, is not its recovery)
     rounds = [e for e in events if e["event"] == "recovery" and t0 <= e["time"] <= end
-              and e["_node"] != rec["node"]]
+              and e["_node"] != rec["node"] and _began(e) >= t0 - 0.05]
     if not rounds:
         return None
     rank = min(e["rank"] for e in rounds)
@@ -72,7 +79,7 @@ def fault_phases(rec: dict[str, Any], events: list[dict[str, Any]], losses: list
 
     started, restored = after("start"), after("restore")
     step = next((x for x in losses if x["time"] > t0), None)
-    failed = first.get("failed_at") or first["time"] - sum(first["timings"].values())
+    failed = max(t0, _began(first))
     nan = math.nan
     out = {
         "detect": failed - t0,

@@ -54,14 +54,15 @@ def test_chaos_slice_in_process(tmp_path: Path) -> None:
     assert all(r["in_place"] > 0 for r in s["records"]), report
     # the phase breakdown (python -m tests.chaos.phases) reads what this campaign wrote
     ph = analyse(json.loads(json.dumps(s, default=str)), cfg.workdir)
+    seen = f"{report}\nphases: {json.dumps(ph['faults'], default=str)}\nlogs: {cfg.workdir}"
     assert ph["cpu_sampled"], "the campaign wrote no CPU samples (cpu.txt)"
     resumed = [r for r in s["records"] if r["resume_s"] is not None]
-    assert [f["index"] for f in ph["faults"]] == [r["index"] for r in resumed], ph["faults"]
+    assert [f["index"] for f in ph["faults"]] == [r["index"] for r in resumed], seen
     for f in ph["faults"]:
-        assert 0 <= f["detect"] <= f["resume"] and f["restore"] > 0 and f["first_step"] > 0, f
-        assert 0 <= f["cpu_after"] <= 1 and f["stalled"] >= 0, f
+        assert 0 <= f["detect"] <= f["resume"] and f["restore"] > 0 and f["first_step"] > 0, seen
+        assert 0 <= f["cpu_after"] <= 1 and f["stalled"] >= 0, seen
         if f["kind"] == "double_kill":
-            assert f["resume_second"] > 0, f
+            assert f["resume_second"] > 0, seen
     missing = [r["kind"] for r in s["rows"] if r["kind"] in kinds and not r["injected"]]
     if missing:
         pytest.skip(f"{cfg.faults} faults held every invariant, but {missing} could not be "
