@@ -62,8 +62,9 @@ chaos-xor-3x2: venv
 chaos-rs6: venv
 	$(BIN)/python -m tests.chaos.campaign --seed $(CHAOS_SEED) --faults $(CHAOS_FAULTS) --in-process --topology 6x1 --redundancy rs --kinds $(CHAOS_MIX) --workdir /tmp/aegis-chaos-rs6-$(CHAOS_SEED) --out bench/results/chaos_rs6_seed$(CHAOS_SEED).json
 
-# Issue 25's campaigns (~80 min): 204 faults over 8 seeds and the three schemes, 2-rank nodes
-# for replica and XOR, the store faults and worker kills in the mix; then the README table.
+# Issue 25's campaigns (~80 min): 228 faults over 9 seeds and the three schemes, 2-rank nodes
+# for replica and XOR, the store faults and worker kills in the mix; then the README table and
+# each campaign's phase breakdown (tests.chaos.phases: <result>.phases.{md,json}).
 LONG := bench/results/chaos_3x2_seed11.json bench/results/chaos_xor_3x2_seed13.json \
 	bench/results/chaos_rs6_seed14.json bench/results/chaos_3x2_seed12.json \
 	bench/results/chaos_3x2_seed15.json bench/results/chaos_xor_3x2_seed16.json \
@@ -80,6 +81,7 @@ chaos-long: venv
 	$(MAKE) chaos-3x2 CHAOS_SEED=18 CHAOS_FAULTS=24
 	$(MAKE) chaos-3x2 CHAOS_SEED=19 CHAOS_FAULTS=24
 	$(BIN)/python -m tests.chaos.long_table $(LONG)
+	for f in $(LONG); do $(BIN)/python -m tests.chaos.phases $$f --out $${f%.json}.phases.json > $${f%.json}.phases.md || exit 1; done
 
 # Spares (run_in_process(max_world=)): one spare node waits beside the 3 x 2 job and steps in at
 # the first round after a loss; the node kills and double kills that otherwise wait for a
