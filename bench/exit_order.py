@@ -26,6 +26,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import ROOT, new_doc, text_table, write_doc  # noqa: E402
 
+from aegis.sim.procs import state  # noqa: E402
+
 CHILD = r"""
 import socket, sys, threading, time
 import torch
@@ -48,13 +50,8 @@ def once(srv: socket.socket, gib: float) -> tuple[float, float]:
     t0 = time.monotonic()
     zombie = end = None
     while (zombie is None or end is None) and time.monotonic() - t0 < 10:
-        if zombie is None:
-            try:
-                with open(f"/proc/{p.pid}/stat") as f:
-                    if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                        zombie = time.monotonic() - t0
-            except OSError:
-                zombie = time.monotonic() - t0
+        if zombie is None and state(p.pid) in ("Z", None):
+            zombie = time.monotonic() - t0
         if end is None:
             try:
                 if conn.recv(1) == b"":

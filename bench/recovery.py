@@ -259,11 +259,9 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    from aegis.sim.procs import state
+
+    return state(pid) not in (None, "Z")
 
 
 def _spawn_time(pid: int) -> float | None:

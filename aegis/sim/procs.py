@@ -8,7 +8,7 @@ import os
 import signal
 import time
 
-__all__ = ["children", "descendants", "kill_tree", "wait_gone"]
+__all__ = ["children", "descendants", "kill_tree", "state", "wait_gone"]
 
 
 def _per_thread(pid: int, name: str) -> list[str]:
@@ -63,9 +63,25 @@ def _exiting(pid: int) -> bool:
     measured here (``bench/exit_order.py``), a SIGKILLed process holding 0.1-4 GiB showed 'Z'
     after 0.15-6 ms and its TCP peer saw the connection end 16-118 ms later (more memory, later).
     A caller that removes the node's network on 'Z' lost that FIN (issue 25: a killed node's
-    process never declared by the liveness service). Threads that finished are gone from ``task/``; the leader stays, as a zombie."""
-    states = [text.rsplit(")", 1)[1].split()[:1] for text in _per_thread(pid, "stat") if ")" in text]
-    return any(state != ["Z"] for state in states if state)
+    process never declared by the liveness service). Threads that finished are gone from
+    ``task/``; the leader stays, as a zombie."""
+    return any(st not in (None, "Z") for st in map(_state, _per_thread(pid, "stat")))
+
+
+def _state(stat: str) -> str | None:
+    """The state letter ('R', 'S', 'Z', ...) in the text of a ``/proc/.../stat`` file."""
+    fields = stat.rsplit(")", 1)[1].split() if ")" in stat else []
+    return fields[0] if fields else None
+
+
+def state(pid: int) -> str | None:
+    """The state letter of process ``pid`` (its leader thread: 'Z' once that thread is done,
+    see ``_exiting``), None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return _state(f.read())
+    except OSError:
+        return None
 
 
 def wait_gone(pids: list[int], timeout: float = 10.0) -> bool:
