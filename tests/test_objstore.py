@@ -73,6 +73,23 @@ def test_missing_credentials_is_a_clear_error_at_check(s3_bucket: str, monkeypat
         store.check()
 
 
+def test_stores_share_one_client_per_configuration(s3_bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # in-process recovery opens a Manager, and its durable store, per round: the boto3 client
+    # (~0.15 s of CPU to make) is made once per process and configuration
+    a = open_store(f"s3://{s3_bucket}/a")
+    b = open_store(f"s3://{s3_bucket}/b")
+    assert a.client is b.client  # type: ignore[attr-defined]
+    a.put("k", b"1")
+    a.close()  # a round's store closed: the other store's requests still go through
+    b.put("k", b"2")
+    assert b.get("k") == b"2"
+    assert open_store(f"s3://{s3_bucket}/a").get("k") == b"1"
+    other = open_store(f"s3://{s3_bucket}/a", read_timeout_s=5.0)
+    assert other.client is not b.client  # type: ignore[attr-defined]
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "someone-else")  # other credentials: another client
+    assert open_store(f"s3://{s3_bucket}/a").client is not b.client  # type: ignore[attr-defined]
+
+
 def test_bad_urls() -> None:
     for url in ("ftp://x/y", "s3:///nobucket", "file://host/path"):
         with pytest.raises(ConfigError):
