@@ -210,3 +210,61 @@ def test_format4_damage_and_version_rules() -> None:
     # a whole-manifest reader given a format-4 document says what it is
     with pytest.raises(ManifestError, match="format-4 step document"):
         Manifest.from_json(step.to_json())
+
+
+# -- the fast paths (issue 25: a restore reads every step's manifest on every node) -------------
+
+
+def test_text_checksum_is_checked_on_the_bytes_and_other_forms_the_usual_way() -> None:
+    from aegis.snapshot.manifest import load_node_manifest, text_checksum_ok
+
+    m = sample()
+    text = m.to_json()
+    assert text == json.dumps(json.loads(text), separators=(",", ":"), sort_keys=True)  # canonical
+    assert text_checksum_ok(text) and text_checksum_ok(text.encode())
+    assert load_node_manifest(text, where="x") == m
+    # another writer's whitespace: not the written form, checked on the parsed document
+    pretty = json.dumps(json.loads(text), indent=2, sort_keys=True)
+    assert not text_checksum_ok(pretty)
+    assert Manifest.from_json(pretty) == m
+    # a byte changed after the checksum: neither way accepts it
+    flipped = text.replace('"job":"j"', '"job":"k"')
+    assert not text_checksum_ok(flipped)
+    with pytest.raises(ManifestError, match="fails its checksum"):
+        load_node_manifest(flipped, where="x")
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda it: it.update(length=65), "length does not match"),
+        (lambda it: it.update(shape=[4, True]), "must be an integer"),
+        (lambda it: it.update(offset=[-4, 0]), "out of range"),
+        (lambda it: it.update(dtype="float64"), "length does not match"),
+        (lambda it: it.update(dtype="__import__"), "unknown dtype"),
+        (lambda it: it.update(fqn=7), "must be a string"),
+        (lambda it: it.update(extra=1), "unknown field"),
+        (lambda it: it.update(file_offset=1.0), "must be an integer"),
+    ],
+)
+def test_a_bad_item_is_named_after_well_formed_ones_took_the_quick_path(mutate, message) -> None:  # type: ignore[no-untyped-def]
+    from aegis.snapshot.manifest import dumps_with_checksum
+
+    Manifest.from_json(sample().to_json())  # the item checks have seen float32 items
+    d = doc()
+    d.pop("checksum")
+    mutate(d["shards"][1]["items"][0])
+    with pytest.raises(ManifestError, match=message):
+        Manifest.from_json(dumps_with_checksum(d))  # sealed as a writer would: the checks find it
+
+
+def test_an_encoded_manifest_is_written_byte_for_byte(store_dir) -> None:  # type: ignore[no-untyped-def]
+    from aegis.snapshot.manifest import EncodedManifest
+    from aegis.snapshot.node_store import NodeStore
+
+    m = sample()
+    a, b = NodeStore(store_dir / "a", "j"), NodeStore(store_dir / "b", "j")
+    a.write_manifest(m)
+    b.write_manifest(EncodedManifest.of(m))
+    assert a.manifest_path(5).read_bytes() == b.manifest_path(5).read_bytes()
+    assert b.read_manifest(5) == m

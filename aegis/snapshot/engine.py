@@ -66,6 +66,7 @@ from aegis.snapshot.erasure import (
 from aegis.snapshot.manifest import (
     BytesEntry,
     Commit,
+    EncodedManifest,
     Layout,
     Manifest,
     ParityGroup,
@@ -842,10 +843,14 @@ class SnapshotEngine:
             (sent, err, received, result.blocking_s, result.copy_s, full, parity), "commit gather"
         )
         decision: tuple[str, Any] | None = None
+        whole: Manifest | None = None  # rank 0: a whole manifest, sent as its text
         if self.rank == 0:
             assert reports is not None
             try:
                 decision = self._decide_commit(result.step, reports, tc - t0)
+                if decision[0] == "commit" and isinstance(decision[1][0], Manifest):
+                    whole = decision[1][0]
+                    decision = ("commit", (EncodedManifest.of(whole), *decision[1][1:]))
             except Exception as e:  # noqa: BLE001 - every rank must hear the outcome
                 decision = ("abort", ({0: f"commit decision: {type(e).__name__}: {e}"}, False))
         kind, payload = self.group.broadcast(decision, "commit broadcast")
@@ -891,8 +896,9 @@ class SnapshotEngine:
             self._committed.append((result.step, slot, replica_slots))
         if upload and self.on_commit is not None:
             try:
+                # a whole manifest: rank 0's object (the others upload their own record)
                 self.on_commit(Commit(
-                    step=result.step, record=record, whole=manifest if isinstance(manifest, Manifest) else None,
+                    step=result.step, record=record, whole=whole,
                     step_manifest=manifest if isinstance(manifest, StepManifest) else None,
                     layout=self._layout if self.rank == 0 else None))
             except Exception as e:  # noqa: BLE001 - reported as an event, not raised on one rank

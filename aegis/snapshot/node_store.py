@@ -40,6 +40,7 @@ from aegis.errors import (
 )
 from aegis.snapshot import hostmem
 from aegis.snapshot.manifest import (
+    EncodedManifest,
     Layout,
     Manifest,
     ShardRecord,
@@ -304,12 +305,14 @@ class NodeStore:
                     n += 1
         return n
 
-    def write_manifest(self, manifest: Manifest | StepManifest, layout: Layout | None = None) -> None:
+    def write_manifest(self, manifest: Manifest | StepManifest | EncodedManifest,
+                       layout: Layout | None = None) -> None:
         """Commit ``manifest.step`` on this node: an atomic rename, after the shards exist (and
         after its layout, written first when given)."""
         if layout is not None:
             self.write_layout(layout)
-        _atomic_write(self.manifest_path(manifest.step), manifest.to_json().encode())
+        data = manifest.text if isinstance(manifest, EncodedManifest) else manifest.to_json().encode()
+        _atomic_write(self.manifest_path(manifest.step), data)
 
     def uncommit(self, step: int) -> None:
         """Remove a step's manifest first, so a crash mid-eviction never leaves it committed."""
