@@ -459,6 +459,34 @@ def test_a_watcher_declares_only_in_its_running_round_or_after_it(store: dist.TC
         quiet.stop()
 
 
+def test_a_silent_member_is_declared_at_dead_after_s_not_at_the_next_beat(store: dist.TCPStore) -> None:
+    """The watcher looks once more when a silent successor reaches dead_after_s: with beats
+    every 0.5 s and dead_after_s = 1.2 s, looks at beats alone would find it silent for 1.5 s
+    first (the chaos campaign's freezes waited up to a beat, a tenth of a second on average,
+    for their declaration)."""
+    def client() -> dist.TCPStore:
+        return dist.TCPStore("127.0.0.1", store.port, is_master=False, wait_for_workers=False,
+                             timeout=timedelta(seconds=30))
+
+    member = Heartbeat("nq/0/9", 0.1, timedelta(seconds=30), store=client())
+    watcher = Heartbeat("nw/0/9", 0.5, timedelta(seconds=30), dead_after_s=1.2, store=client(),
+                        fence=lambda u: 0, fenceable=lambda u: True)
+    try:
+        watcher.follow(["nw/0/9", "nq/0/9"], 0)
+        time.sleep(1.2)
+        member.stop()  # silent from now on
+        deadline = time.monotonic() + 5
+        while not watcher.declarations and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert [d[0] for d in watcher.declarations] == ["nq/0/9"]
+        silent = watcher.declarations[0][1]
+        assert 1.2 <= silent < 1.35, silent
+        assert watcher.ticks < 2 * 5 + 4  # one extra look, not a look every few milliseconds
+    finally:
+        watcher.stop()
+        member.stop()
+
+
 def test_a_fence_that_cannot_reach_the_store_is_tried_again_and_creation_waits_longer(
         store: dist.TCPStore) -> None:
     """A fence needs the dead member's published sockets, from the store; right after a store
