@@ -219,10 +219,12 @@ class Scenario:
                 old = {p for n in survivors for p in cluster.nodes[n].workers()}
                 t_kill = cluster.kill_node(node)
                 if self.in_process:
-                    # the survivors keep their processes and restore ~1 s after the kill (they
-                    # wait for the lost peer's heartbeat to go silent): read what they hold now
-                    time.sleep(0.3)
-                    committed = self._committed(cluster, survivors)
+                    # the survivors keep their processes and restore soon after the kill (at
+                    # once when the store host's liveness service sees the process go): read
+                    # what they hold once the commits in flight at the kill have settled, but
+                    # before a restore (after it, the new round commits again: with the
+                    # liveness service and a quick round, a step within 0.3 s of the kill)
+                    committed = self._committed_before_restore(cluster, survivors, t_kill)
                     if kill.replace:
                         cluster.add_node(solo=True)
                     t_detect = None
@@ -295,6 +297,23 @@ class Scenario:
         return KillRecord(f"{node}/{local}", t_kill, t_detect, committed,
                           f"worker (local rank {local}, pid {victim}) {trigger}", worker=local,
                           victim=victim, others=others, replacement=replacement)
+
+    def _committed_before_restore(self, cluster: SimCluster, nodes: list[str], t_kill: float,
+                                  settle_s: float = 0.3) -> list[int]:
+        """The steps committed on ``nodes`` ``settle_s`` after a kill, or their last reading
+        before a survivor's restore, if one came sooner. A reading counts only when no restore
+        event was there after it: none is emitted before the restore ends, and no new round
+        commits before that."""
+        end = time.monotonic() + settle_s
+        last: list[int] | None = None
+        while True:
+            reading = self._committed(cluster, nodes)
+            if any(e["event"] == "restore" and e["time"] > t_kill for e in read_events(cluster.workdir)):
+                return reading if last is None else last  # (None: restored before any look)
+            last = reading
+            if time.monotonic() >= end:
+                return last
+            time.sleep(0.01)
 
     def _committed(self, cluster: SimCluster, nodes: list[str]) -> list[int]:
         return sorted({s.step for n in nodes
