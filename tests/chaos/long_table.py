@@ -2,7 +2,8 @@
 redundancy scheme, the faults, invariant violations, hangs, and the median / p90 / max of the
 time to resume (fault -> first trained step after the restore; apart, for the faults that
 were restored from memory alone) and of the longest gap between two trained steps, read from the campaigns' summary JSONs. Writes ``bench/results/chaos_long.md``
-and ``chaos_long.json`` and prints the table.
+and ``chaos_long.json``, puts the table into the README between its ``chaos-long`` markers,
+and prints it.
 
     python -m tests.chaos.long_table bench/results/chaos_3x2_seed11.json ...
 """
@@ -110,8 +111,20 @@ def main(argv: list[str]) -> int:
         md += f"\n\nNot run (no result file): {', '.join(missing)}."
     (OUT / "chaos_long.md").write_text(md + "\n")
     (OUT / "chaos_long.json").write_text(json.dumps(total, indent=1) + "\n")
+    _into_readme(md)
     print(md)
     return 0
+
+
+def _into_readme(md: str) -> None:
+    """The table into the README, between its ``chaos-long`` markers (left alone without them):
+    the README shows what the last run measured, never an older table beside newer numbers."""
+    readme = OUT.parents[1] / "README.md"
+    begin, end = "<!-- chaos-long:begin -->\n", "<!-- chaos-long:end -->"
+    text = readme.read_text() if readme.exists() else ""
+    if begin in text and end in text.split(begin, 1)[1]:
+        head, rest = text.split(begin, 1)
+        readme.write_text(head + begin + md + "\n" + end + rest.split(end, 1)[1])
 
 
 if __name__ == "__main__":
