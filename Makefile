@@ -49,7 +49,7 @@ chaos-xor: venv
 # one worker SIGKILLed, its agent, python -m aegis.launch, starts it again alone), and 6 nodes x 1
 # rank with Reed-Solomon 4+2 parity (k = 2). The default mix plus worker_kill; in-process.
 # The membership store's faults (store_restart, store_outage) are in the mix too.
-# CHAOS_FAULTS and CHAOS_SEED for other campaigns; `make chaos-long` runs issue 25's (~90 min).
+# CHAOS_FAULTS and CHAOS_SEED for other campaigns; `make chaos-long` runs issue 25's (~55 min).
 CHAOS_FAULTS ?= 50
 CHAOS_SEED ?= 1
 CHAOS_MIX := kill,freeze,partition,s3_outage,store_full,double_kill,worker_kill,store_restart,store_outage
@@ -62,7 +62,7 @@ chaos-xor-3x2: venv
 chaos-rs6: venv
 	$(BIN)/python -m tests.chaos.campaign --seed $(CHAOS_SEED) --faults $(CHAOS_FAULTS) --in-process --topology 6x1 --redundancy rs --kinds $(CHAOS_MIX) --workdir /tmp/aegis-chaos-rs6-$(CHAOS_SEED) --out bench/results/chaos_rs6_seed$(CHAOS_SEED).json
 
-# Issue 25's campaigns (~80 min): 228 faults over 9 seeds and the three schemes, 2-rank nodes
+# Issue 25's campaigns (~55 min here): 228 faults over 9 seeds and the three schemes, 2-rank nodes
 # for replica and XOR, the store faults and worker kills in the mix; then the README table and
 # each campaign's phase breakdown (tests.chaos.phases: <result>.phases.{md,json}).
 LONG := bench/results/chaos_3x2_seed11.json bench/results/chaos_xor_3x2_seed13.json \
