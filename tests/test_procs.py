@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 
-from aegis.sim.procs import wait_gone
+from aegis.sim.procs import state, wait_gone
 
 # the main thread leaves (its task turns zombie at once) while a second thread holds a
 # connection: the state a SIGKILLed process is in while its memory is still being unmapped
@@ -24,11 +24,6 @@ ctypes.CDLL(None).pthread_exit(None)
 """
 
 
-def _state(pid: int) -> str:
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0]
-
-
 def test_a_zombie_leader_whose_threads_still_run_is_not_gone() -> None:
     with socket.create_server(("127.0.0.1", 0)) as srv:
         p = subprocess.Popen([sys.executable, "-c", _LEADER_GONE_FIRST,
@@ -37,9 +32,9 @@ def test_a_zombie_leader_whose_threads_still_run_is_not_gone() -> None:
             conn, _ = srv.accept()
             assert p.stdout is not None and p.stdout.readline() == b"ready\n"
             deadline = time.monotonic() + 10
-            while _state(p.pid) != "Z" and time.monotonic() < deadline:
+            while state(p.pid) != "Z" and time.monotonic() < deadline:
                 time.sleep(0.01)  # the leader's task turns zombie right after pthread_exit
-            assert _state(p.pid) == "Z"
+            assert state(p.pid) == "Z"
             # its connection is still open, so it is not gone
             assert not wait_gone([p.pid], timeout=0.3)
             conn.settimeout(0.1)

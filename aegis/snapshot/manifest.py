@@ -854,12 +854,10 @@ class _Parser:
         return v
 
     def ints(self, v: Any, what: str) -> tuple[int, ...]:
-        t = tuple(self.list_(v, what))
         # the common case checked at C speed (a manifest holds tens of thousands of these);
         # anything else goes the way that names the bad value
-        if set(map(type, t)) <= {int} and (not t or (min(t) >= 0 and max(t) <= _MAX_SIZE)):
-            return t
-        return tuple(self.int_(x, what) for x in t)
+        t = _plain_ints(self.list_(v, what))
+        return t if t is not None else tuple(self.int_(x, what) for x in v)
 
     def fields(self, d: dict[str, Any], what: str, *, required: set[str], optional: set[str]) -> None:
         missing = required - d.keys()
