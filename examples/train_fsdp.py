@@ -538,6 +538,17 @@ def write_digest(path: str, phase: str, step: int, *parts: Any) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+def last_step(args: argparse.Namespace) -> int:
+    """``--steps``, or the step in ``--end-file`` where a harness gave one."""
+    if not args.end_file:
+        return int(args.steps)
+    try:
+        with open(args.end_file) as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return int(args.steps)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", default="tiny", choices=sorted(CONFIGS))
@@ -593,6 +604,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--step-sleep", type=float, default=0.0, help="sleep after each step (s)")
     p.add_argument("--dump-state", default=None, help="rank 0 torch.saves full state at the end")
+    p.add_argument("--end-file", default=None,
+                   help="a file holding the last step, read before every step; it overrides "
+                        "--steps (a test harness ends the run at an event it waits for, e.g. a "
+                        "replacement's join, not after a count of steps; the LR schedule still "
+                        "spans --steps). Written by os.replace, only ever to a step no rank has "
+                        "reached")
     args = p.parse_args(argv)
     if args.steps < 0 or args.batch_size < 1 or args.every < 1:
         p.error("--steps must be >= 0, --batch-size and --every >= 1")
@@ -735,7 +752,9 @@ def _train(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> 
     try:
         model.train()
         loss = float("nan")
-        for step in range(start + 1, args.steps + 1):
+        step = start
+        while step < last_step(args):
+            step += 1
             t0 = time.perf_counter()
             indices = sampler.local_indices(sampler.next_global_batch())
             inputs, targets = data.batch(indices)
@@ -784,7 +803,7 @@ def _train(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> 
             mgr.close()
             mgr = None
         if args.dump_state:
-            final_step = max(start, args.steps)
+            final_step = step
             dump_state(
                 args.dump_state,
                 model,

@@ -171,6 +171,8 @@ class Scenario:
     nproc_per_node: int = 1  # ranks per node, sharing the node's store
     # run the agents with aegis.launch and this policy (None: torchrun)
     on_worker_failure: str | None = None
+    # the run's last step, once the harness moved it (see run)
+    last_step: int | None = field(default=None, init=False)
 
     def run(self) -> ScenarioResult:
         work = Path(self.workdir)
@@ -187,11 +189,20 @@ class Scenario:
         lost = sum(1 for k in kills if not k.replace)
         min_world = max(1, (self.nodes - max(1, lost)) * self.nproc_per_node)
         inproc = ["--in-process", "--min-world", str(min_world)] if self.in_process else []
+        # In place, a replacement joins the running job at a snapshot; the job must still be
+        # training when it is ready (starting a process and importing torch took ~4.5 s on a
+        # loaded 2-core machine). So the run does not end at a count of steps: its last step,
+        # in the trainer's --end-file, stays out of reach until every replacement restored
+        # (or JOIN_WAIT_S passed), then becomes a few steps past the newest one logged.
+        joiners = self.in_process and any(self._expects_joiner(k) for k in kills)
+        end_file = work / "end_step"
+        _write_end(end_file, self.steps + HOLD_STEPS if joiners else self.steps)
         cluster = SimCluster(
             work,
             [TRAINER, "--config", self.config, "--steps", str(self.steps), "--dropout", "0.1",
              "--job", self.job, "--replicas", str(self.replicas), "--loss-log", str(loss_log),
-             "--digest-log", str(digest_log), "--step-sleep", str(self.step_sleep), *inproc,
+             "--digest-log", str(digest_log), "--step-sleep", str(self.step_sleep),
+             "--end-file", str(end_file), *inproc,
              *self.extra_args],
             nodes=self.nodes,
             nproc_per_node=self.nproc_per_node,
@@ -204,6 +215,7 @@ class Scenario:
         )
         records: list[KillRecord] = []
         stores: list[StoreRecord] = []
+        added: list[str] = []  # replacement nodes (in place), in kill order
         deadline = time.monotonic() + self.timeout
         try:
             cluster.start()
@@ -226,7 +238,7 @@ class Scenario:
                     # liveness service and a quick round, a step within 0.3 s of the kill)
                     committed = self._committed_before_restore(cluster, survivors, t_kill)
                     if kill.replace:
-                        cluster.add_node(solo=True)
+                        added.append(cluster.add_node(solo=True).node_id)
                     t_detect = None
                 else:
                     if kill.replace:
@@ -234,6 +246,9 @@ class Scenario:
                     t_detect = wait_exited(old, max(deadline - time.monotonic(), 1))
                     committed = self._committed(cluster, survivors)
                 records.append(KillRecord(node, t_kill, t_detect, committed, trigger))
+            if joiners:
+                self.last_step = self._release_end(cluster, records, added, loss_log, end_file,
+                                                   deadline)
             if self.in_process:
                 # a lost node's agent never reaches torchrun's exit barrier: the survivors'
                 # agents wait there (see SimCluster.wait_workers); the job is over when the
@@ -250,6 +265,34 @@ class Scenario:
                                 read_events(work), store_faults=stores)
         self._check(result)
         return result
+
+    def _expects_joiner(self, k: Kill) -> bool:
+        """A new process or node is to join the running job after this loss."""
+        if k.worker is not None:
+            return self.on_worker_failure == "replace"
+        return k.replace
+
+    def _release_end(self, cluster: SimCluster, records: list[KillRecord], added: list[str],
+                     loss_log: Path, end_file: Path, deadline: float) -> int:
+        """Wait until every replacement (a worker's new process, a new node's workers) restored
+        a snapshot, at most JOIN_WAIT_S after the last loss (a joiner that never comes fails
+        the checks, not the harness), then end the run a few steps on."""
+        pids = {k.replacement for k in records if k.worker is not None and k.replacement}
+        until = min(deadline, time.monotonic() + JOIN_WAIT_S)
+        while time.monotonic() < until:
+            joined = {(e["_node"], e["_pid"]) for e in read_events(cluster.workdir)
+                      if e["event"] == "restore" and e.get("found")}
+            if pids <= {p for _, p in joined} and set(added) <= {n for n, _ in joined}:
+                break
+            if not cluster.alive_nodes():
+                break
+            time.sleep(0.05)
+        losses = read_jsonl(loss_log)
+        # every rank is at most a step past the newest step logged: each reads the new end
+        # before it reaches it
+        last = max(self.steps, (losses[-1]["step"] if losses else 0) + END_MARGIN_STEPS)
+        _write_end(end_file, last)
+        return last
 
     def _store_fault(self, fault: StoreFault, cluster: SimCluster, loss_log: Path,
                      deadline: float) -> StoreRecord:
@@ -354,7 +397,9 @@ class Scenario:
 
     def _check(self, r: ScenarioResult) -> None:
         r.checks.append((f"every agent exited 0: {r.codes}", bool(r.codes) and all(c == 0 for c in r.codes.values())))
-        r.checks.append(("training reached the last step", bool(r.losses) and r.losses[-1]["step"] == self.steps))
+        last = self.last_step if self.last_step is not None else self.steps
+        r.checks.append((f"training reached the last step ({last})",
+                         bool(r.losses) and r.losses[-1]["step"] == last))
         for f in r.store_faults:
             # until the next loss (or the end): no round ended, no process started, and steps
             # went on past the one logged at the fault
@@ -445,6 +490,18 @@ class Scenario:
                 and d["time"] > k.t_kill]
         r.checks.append((f"loss {i + 1}: the state restored at the join (step {step}) equals the state "
                          "saved at that step", bool(back) and bool(saved) and back[0] == saved[-1]))
+
+
+HOLD_STEPS = 100_000  # the end while a joiner is awaited: out of reach
+JOIN_WAIT_S = 120.0  # a liveness bound: a joiner ready later than this fails the checks
+END_MARGIN_STEPS = 4
+
+
+def _write_end(path: Path, step: int) -> None:
+    """The trainer's --end-file, replaced whole (a rank reads the old number or the new one)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(str(step))
+    os.replace(tmp, path)
 
 
 def _worker_failed(log: Path) -> bool:

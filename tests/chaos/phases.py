@@ -78,7 +78,10 @@ def fault_phases(rec: dict[str, Any], events: list[dict[str, Any]], losses: list
                      and e["_node"] == node and last["time"] <= e["time"] <= end), None)
 
     started, restored = after("start"), after("restore")
-    step = next((x for x in losses if x["time"] > t0), None)
+    # the first step trained after that restore: a step the survivors finished after the fault
+    # but before they noticed it (a freeze is seen only after dead_after_s) is not a resume
+    since = restored["time"] if restored else t0
+    step = next((x for x in losses if x["time"] > since), None)
     failed = max(t0, _began(first))
     nan = math.nan
     out = {
