@@ -136,6 +136,7 @@ def test_abandon_contract(backend: str, how: str) -> None:
     assert [r["reformed_sum"] for r in res] == [8.0, 8.0]
 
 
+@pytest.mark.quick
 def test_for_backend_names_what_it_cannot_abandon() -> None:
     from aegis.errors import ConfigError
     from aegis.training.inprocess import abandon
@@ -146,6 +147,7 @@ def test_for_backend_names_what_it_cannot_abandon() -> None:
         abandon.for_backend("mpi")
 
 
+@pytest.mark.quick
 def test_nccl_environment_checked_before_the_first_round(monkeypatch: pytest.MonkeyPatch) -> None:
     """torch's default TORCH_NCCL_ASYNC_ERROR_HANDLING (3) kills a survivor at the first NCCL
     error: refused when set so, set to 2 when unset; a collective timeout that would fire before
@@ -174,6 +176,7 @@ def test_nccl_environment_checked_before_the_first_round(monkeypatch: pytest.Mon
         check_nccl_env("nccl", long, 1.0)
 
 
+@pytest.mark.quick
 def test_a_teardown_aborts_only_the_managers_of_the_round_that_ended() -> None:
     """A Manager of an earlier round that something still holds (its uploader stuck on an object
     store that hangs) was aborted again at every later teardown, each time waiting for its

@@ -71,6 +71,7 @@ def test_inspect_shows_which_entries_are_per_rank(node: Path, capsys: pytest.Cap
     assert "data (per-rank), model (sharded), sched (replicated)" in out
 
 
+@pytest.mark.quick
 def test_export_keeps_the_per_rank_entries(node: Path, tmp_path: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     from safetensors import safe_open
@@ -97,6 +98,7 @@ def _flip(path: Path, offset: int) -> None:
     path.write_bytes(bytes(data))
 
 
+@pytest.mark.quick
 def test_verify_reads_the_shards_own_index(node: Path, tmp_path: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     copy = tmp_path / "idx"
@@ -111,6 +113,7 @@ def test_verify_reads_the_shards_own_index(node: Path, tmp_path: Path,
     assert (f["step"], f["rank"]) == (2, 1) and "index" in f["error"], f
 
 
+@pytest.mark.quick
 def test_verify_names_a_manifest_edited_after_it_was_written(node: Path, tmp_path: Path,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     copy = tmp_path / "man"
@@ -125,6 +128,7 @@ def test_verify_names_a_manifest_edited_after_it_was_written(node: Path, tmp_pat
     assert any(f["step"] == 2 and "fails its checksum" in f["error"] for f in doc["failures"]), doc
 
 
+@pytest.mark.quick
 def test_verify_on_a_plain_dcp_directory_says_what_it_cannot_detect(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import torch.distributed.checkpoint as dcp

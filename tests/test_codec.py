@@ -6,6 +6,8 @@ import torch
 from aegis.errors import CorruptShardError
 from aegis.snapshot.codec import Codec, decode
 
+pytestmark = pytest.mark.quick  # unit / single-process: make test-quick
+
 
 def weights(dtype: torch.dtype, n: int = 1 << 16) -> bytes:
     g = torch.Generator().manual_seed(0)

@@ -131,6 +131,7 @@ def test_missing_bucket_fails_at_manager_start(store_dir: Path, s3_env: dict) ->
         assert isinstance(e, str) and e.startswith("ConfigError") and "does not exist" in e
 
 
+@pytest.mark.quick
 def test_retention_rules() -> None:
     assert retention_victims([], 2, 0) == []
     assert retention_victims([1, 2, 3, 4, 5], 2, 0) == [1, 2, 3]

@@ -31,6 +31,8 @@ from aegis.snapshot.erasure import (
     xor_segment,
 )
 
+pytestmark = pytest.mark.quick  # unit / single-process: make test-quick
+
 
 def shards_of(lengths: list[int], seed: int = 0) -> list[bytes]:
     rng = np.random.default_rng(seed)

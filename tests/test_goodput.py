@@ -33,6 +33,7 @@ from tests.dist_utils import run_ranks
 # -- published values ----------------------------------------------------------------------------
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("mtbf_min, daly_min, tol", [(24 * 60, 117, 0.5), (6 * 60, 57, 0.5), (15, 9.1, 0.05)])
 def test_daly_reproduces_the_published_optima(mtbf_min: float, daly_min: float, tol: float) -> None:
     # Daly (2006), Figs. 3-5: dump time 5 min, restart 10 min; M = 24 h, 6 h, 15 min -> the
@@ -41,6 +42,7 @@ def test_daly_reproduces_the_published_optima(mtbf_min: float, daly_min: float, 
     assert daly_interval(5.0 * 60, mtbf_min * 60) == pytest.approx(daly_min * 60, abs=tol * 60)
 
 
+@pytest.mark.quick
 def test_young_first_order_values() -> None:
     # Young (1974): T = sqrt(2 C M); Daly's three cases give 120, 60 and sqrt(150) minutes.
     assert young_interval(5.0, 24 * 60) == pytest.approx(120.0)
@@ -54,6 +56,7 @@ def test_young_first_order_values() -> None:
         young_interval(1.0, 0.0)
 
 
+@pytest.mark.quick
 def test_waste_is_the_textbook_first_order_model() -> None:
     # Small C/M: lost ~= C/T + (T/2 + R)/M.
     c, r, m = 0.1, 10.0, 1e5
@@ -73,6 +76,7 @@ def test_waste_is_the_textbook_first_order_model() -> None:
     assert w.goodput == 0.0 and w.checkpoint + w.restart + w.recompute == pytest.approx(1.0)
 
 
+@pytest.mark.quick
 def test_two_level_closed_form() -> None:
     mem = TierCosts(snapshot_s=0.5)
     dur = TierCosts(snapshot_s=8.0)
@@ -166,6 +170,7 @@ def _tolerance(se: float, t1: float, n: int) -> float:
     return 4 * se + (LAM1 * s1) * (LAM2 * period) / 12
 
 
+@pytest.mark.quick
 def test_two_level_model_matches_brute_force_simulation() -> None:
     t1, n = two_level_optimum(MEM, DUR, LAM1, LAM2)
     assert n == 5  # sqrt(1.5 * 0.01 / (0.5 * 0.001)) = 5.48
@@ -185,6 +190,7 @@ def test_two_level_model_matches_brute_force_simulation() -> None:
             assert sim <= best_sim + 4 * math.hypot(se, best_se), (t, k, sim, best_sim)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("interval", [2.0, 10.0, 30.0])
 def test_single_level_model_matches_simulation(interval: float) -> None:
     d = TierCosts(snapshot_s=1.0, restore_s=2.0, restart_s=3.0, latency_s=0.5)
@@ -193,6 +199,7 @@ def test_single_level_model_matches_simulation(interval: float) -> None:
     assert abs(model - sim) <= 4 * se, (model, sim, se)
 
 
+@pytest.mark.quick
 def test_single_level_is_the_exact_expectation_with_failures_during_recovery() -> None:
     # Daly (2006) / Bougeret et al. (2011): failures at rate lam at any time, one during a
     # restart starts it over; a segment of W work + C snapshot takes on average
@@ -240,6 +247,7 @@ def test_failures_during_recovery_against_simulation_over_a_grid() -> None:
 LLAMA3_PER_DAY = 419 / 54  # Llama 3 405B: 419 unexpected interruptions in 54 days, 16,384 GPUs
 
 
+@pytest.mark.quick
 def test_plan_llama3_scale() -> None:
     mem = TierCosts(snapshot_s=0.5, restore_s=20.0, restart_s=300.0)
     dur = TierCosts(snapshot_s=0.5, restore_s=180.0, restart_s=300.0, latency_s=120.0)
@@ -256,6 +264,7 @@ def test_plan_llama3_scale() -> None:
     assert json.dumps(p.to_json(), allow_nan=False)
 
 
+@pytest.mark.quick
 def test_auto_interval_policy() -> None:
     a = AutoInterval(mtbf_s=3600.0, every_max=50)
     assert a.interval == 1 and a.update(None, None) is None
@@ -301,6 +310,7 @@ def _write_events(d: Path) -> None:
             "\n".join(json.dumps(e) for e in lines[r]) + "\n{cut by a kill")
 
 
+@pytest.mark.quick
 def test_measured_from_events(tmp_path: Path) -> None:
     _write_events(tmp_path)
     m = measured_from_events(tmp_path)
@@ -314,6 +324,7 @@ def test_measured_from_events(tmp_path: Path) -> None:
     assert m.step_s == pytest.approx(1.0)
 
 
+@pytest.mark.quick
 def test_measured_from_bench_results(tmp_path: Path) -> None:
     # The shapes of bench/results/{recovery,snapshot_overhead,restore}.json.
     recovery = {"bench": "recovery", "arms": {
@@ -350,6 +361,7 @@ def test_measured_from_bench_results(tmp_path: Path) -> None:
 RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("name, fields", [
     ("recovery", ("restart_s", "memory_restore_s", "durable_restore_s", "step_s")),
     ("snapshot_overhead", ("memory_snapshot_s", "memory_latency_s")),
@@ -364,6 +376,7 @@ def test_measured_from_the_committed_bench_results(name: str, fields: tuple[str,
         assert isinstance(v, float) and 0 < v < 3600, (name, f, v)
 
 
+@pytest.mark.quick
 def test_plan_command_table_json_and_errors(tmp_path: Path) -> None:
     runner = CliRunner()
     args = ["--nodes", "16", "--failures-per-day", "2", "--gpu-hour-cost", "2.5", "--snapshot-s",
@@ -431,6 +444,7 @@ def test_plan_command_table_json_and_errors(tmp_path: Path) -> None:
 # -- Manager(every="auto") -----------------------------------------------------------------------
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("kwargs, message", [
     ({"every": "auto"}, "needs mtbf_s"),
     ({"every": "auto", "mtbf_s": 0}, "needs mtbf_s"),
@@ -463,6 +477,7 @@ def _check_schedule(events: list[dict[str, Any]]) -> None:
         assert b - a == interval, (a, b, interval, changes)
 
 
+@pytest.mark.quick
 def test_auto_single_process_adapts_and_is_bounded(store_dir: Path) -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 64)
@@ -498,6 +513,7 @@ def test_auto_single_process_adapts_and_is_bounded(store_dir: Path) -> None:
     mgr2.close()
 
 
+@pytest.mark.quick
 def test_integer_every_is_unchanged(store_dir: Path) -> None:
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -547,6 +563,7 @@ def test_auto_ranks_agree_and_durable_follows(store_dir: Path, tmp_path: Path) -
     assert uploads and set(uploads) <= set(crossings)
 
 
+@pytest.mark.quick
 def test_plan_adds_the_costs_that_grow_with_the_job_from_scale_results(tmp_path: Path) -> None:
     """`aegis plan --scale scale.json`: bench/scale.py's series fitted log-log and evaluated at
     nodes x gpus-per-node ranks, added to the memory tier's latency (commit) and restart

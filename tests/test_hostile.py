@@ -47,6 +47,8 @@ from aegis.snapshot.objstore import FileStore, ObjectStore, check_key, open_stor
 from aegis.snapshot.shard import FOOTER_SIZE, check_blob, crc32c
 from tests.test_manifest import sample
 
+pytestmark = pytest.mark.quick  # unit / single-process: make test-quick
+
 Doc = dict[str, Any]
 
 

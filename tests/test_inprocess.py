@@ -420,6 +420,7 @@ def test_a_spare_waits_while_the_world_is_full_and_steps_in_at_the_loss(tmp_path
     print(f"kill -> first step with the spare: {first['t'] - killed['time']:.2f} s")
 
 
+@pytest.mark.quick
 def test_a_member_watched_anew_counts_as_just_seen_and_rejoin_backs_off(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Unit checks, real TCPStore: a member watched again after it was left out is not judged

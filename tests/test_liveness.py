@@ -157,6 +157,7 @@ def test_before_any_round_nobody_is_declared_and_a_restarted_server_is_found_aga
             p.kill()
 
 
+@pytest.mark.quick
 def test_the_link_is_never_among_the_sockets_a_round_publishes_or_cuts(
         service: tuple[Any, LivenessServer, int]) -> None:
     c, srv, _ = service
@@ -173,6 +174,7 @@ def test_the_link_is_never_among_the_sockets_a_round_publishes_or_cuts(
     assert srv.declared == []
 
 
+@pytest.mark.quick
 def test_without_a_service_the_link_gives_up_at_once(store: tuple[Any, int]) -> None:
     _, port = store
     c = _client(port)

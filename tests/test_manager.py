@@ -326,6 +326,7 @@ def test_tmpfs_too_small_fails_before_the_first_save_with_the_numbers(tiny_tmpfs
 # -- configuration is checked up front (single process, no torch.distributed) -----------------
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     "kwargs, message",
     [
@@ -343,6 +344,7 @@ def test_bad_config_is_rejected_with_the_field(store_dir: Path, kwargs: dict[str
         Manager(job, {"m": ModelOptimizerState(model, opt)}, store_dir=str(store_dir), **kwargs)
 
 
+@pytest.mark.quick
 def test_bad_state_is_rejected(store_dir: Path) -> None:
     model = torch.nn.Linear(2, 2)
     with pytest.raises(ConfigError, match="bare nn.Module"):
@@ -351,6 +353,7 @@ def test_bad_state_is_rejected(store_dir: Path) -> None:
         Manager("ok", {"x": object()}, store_dir=str(store_dir))
 
 
+@pytest.mark.quick
 def test_single_process_without_distributed(store_dir: Path) -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 4)
@@ -396,6 +399,7 @@ class _WithExtra(torch.nn.Module):
         self.scale = float(state[0])
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("extra", [False, True], ids=["views", "extra-state"])
 def test_a_restore_loads_in_place_and_skips_only_a_copy_onto_itself(store_dir: Path, extra: bool) -> None:
     """DCP loads into the state dict's tensors in place; they are views of the live parameters,

@@ -17,6 +17,8 @@ from aegis.snapshot.manifest import (
     body_checksum,
 )
 
+pytestmark = pytest.mark.quick  # unit / single-process: make test-quick
+
 
 def sample() -> Manifest:
     shards = tuple(

@@ -193,6 +193,7 @@ def _take(q: Any, kind: str, n: int, timeout: float) -> list[tuple[Any, ...]]:
 
 # -- tests --------------------------------------------------------------------------------------
 
+@pytest.mark.quick
 def test_ring_interleaves_nodes_and_watchers_cover_a_lost_node() -> None:
     uids = [f"n{n}/{lr}/1{n}{lr}" for n in range(4) for lr in range(3)]
     order = ring(uids)
@@ -849,6 +850,7 @@ def test_after_a_store_restart_members_not_back_yet_are_not_declared() -> None:
         member.stop()
 
 
+@pytest.mark.quick
 def test_a_full_round_votes_to_admit_nobody_and_a_round_with_room_only_what_fits() -> None:
     """``max_world``: the joiners a snapshot's vote counts are capped by the round's room (the
     same on every member), so a full round admits nobody (the processes wait as spares) and a
@@ -868,6 +870,7 @@ def test_a_full_round_votes_to_admit_nobody_and_a_round_with_room_only_what_fits
         Round.members, Round.admitted, Round.joiners, Round.max_world = saved
 
 
+@pytest.mark.quick
 def test_a_round_formed_full_leaves_the_last_joiner_out_as_a_spare(store: dist.TCPStore) -> None:
     """A first round of four processes with ``max_world=3``: three are members (uid order) and
     the fourth is told it is a spare (``Excluded.spare``), not that it missed a round."""
@@ -890,6 +893,7 @@ def _outcome(fn: Callable[[], Any]) -> Any:
         return e
 
 
+@pytest.mark.quick
 def test_a_max_world_below_min_world_is_refused_before_anything_starts() -> None:
     import aegis
     from aegis.errors import ConfigError

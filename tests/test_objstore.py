@@ -10,6 +10,8 @@ import pytest
 from aegis.errors import AegisError, ConfigError
 from aegis.snapshot.objstore import ObjectNotFound, ObjectStore, PreconditionFailed, open_store
 
+pytestmark = pytest.mark.quick  # unit / single-process: make test-quick
+
 
 @pytest.fixture(params=["file", "s3"])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> ObjectStore:

@@ -32,6 +32,7 @@ JOB = "t"
 NODES = ["a", "b", "c", "d", "e"]
 
 
+@pytest.mark.quick
 def test_groups_take_one_rank_per_node_and_spread_failure_domains() -> None:
     five = Placement.build(NODES, None, 0)
     assert parity_groups(five, 5) == [(0, 1, 2, 3, 4)]
@@ -158,6 +159,7 @@ def test_a_loss_while_encoding_then_a_corrupt_parity_resume_bitwise_from_durable
                for x in out[2]["skipped"]), out[2]["skipped"]
 
 
+@pytest.mark.quick
 def test_a_damaged_parity_record_is_rejected() -> None:
     m = sample()
     seg = xor_layout([s.size for s in m.shards]).segment_size
@@ -171,6 +173,7 @@ def test_a_damaged_parity_record_is_rejected() -> None:
             Manifest.from_json(forged.to_json())
 
 
+@pytest.mark.quick
 def test_a_rebuild_on_a_node_without_the_step_reports_instead_of_raising(tmp_path: Path) -> None:
     """Seen in the XOR chaos arm: a replacement node whose only work for a step was a rebuild
     had no step directory yet; the rebuilding rank raised alone and its peers waited forever.
@@ -236,6 +239,7 @@ def test_rs_3_plus_2_rebuilds_two_lost_nodes_bitwise_and_names_a_third(
     assert "RS parity group (ranks [0, 1, 2, 3, 4])" in out[0] and "rebuilds 2 lost members" in out[0], out[0]
 
 
+@pytest.mark.quick
 def test_bad_redundancy_settings_are_config_errors_before_any_process_group() -> None:
     from aegis.errors import ConfigError
     from aegis.training.config import ManagerConfig

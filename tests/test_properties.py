@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,6 +18,7 @@ from tests.test_manifest import sample
 DTYPES = ["bytes", "int64", *FLOAT_DTYPES]
 
 
+@pytest.mark.quick
 @settings(max_examples=200, deadline=None)
 @given(data=st.binary(max_size=4096), dtype=st.sampled_from(DTYPES),
        mode=st.sampled_from(["planes", "zstd", "raw"]))
@@ -25,6 +27,7 @@ def test_codec_round_trips_any_bytes(data: bytes, dtype: str, mode: str) -> None
     assert decode(blob, desc, len(data)) == data
 
 
+@pytest.mark.quick
 @settings(max_examples=200, deadline=None)
 @given(data=st.binary(min_size=64, max_size=2048), flips=st.lists(st.integers(0, 10**6), min_size=1, max_size=4))
 def test_codec_corrupt_input_is_a_clear_error_or_detected_later(data: bytes, flips: list[int]) -> None:
@@ -54,6 +57,7 @@ def test_manifest_parser_rejects_arbitrary_json_cleanly(doc: object) -> None:
         Manifest.from_doc(doc)
 
 
+@pytest.mark.quick
 @settings(max_examples=300, deadline=None)
 @given(path=st.lists(st.sampled_from(["shards", 0, 1, "chunks", "items", 0, "entries", "w", "size",
                                       "offset", "file_offset", "length", "rank", "step"]), min_size=1, max_size=5),

@@ -6,12 +6,15 @@ import filecmp
 import os
 from pathlib import Path
 
+import pytest
+
 from aegis.snapshot.node_store import NodeStore
 from aegis.snapshot.placement import Placement
 from tests.dist_utils import run_ranks
 from tests.models import build, train_step
 
 
+@pytest.mark.quick
 def test_ring_placement_same_local_rank_next_nodes() -> None:
     nodes = ["a", "a", "b", "b", "c", "c"]
     p = Placement.build(nodes, None, 1)
@@ -24,6 +27,7 @@ def test_ring_placement_same_local_rank_next_nodes() -> None:
     assert Placement.build(["a"], None, 1).targets(0) == []
 
 
+@pytest.mark.quick
 def test_placement_skips_own_failure_domain_while_others_exist() -> None:
     nodes = ["a", "b", "c", "d"]
     domains = ["rack1", "rack1", "rack2", "rack2"]

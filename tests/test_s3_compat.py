@@ -41,6 +41,7 @@ def _error(status: int, code: str) -> bexc.ClientError:
                              "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
 
 
+@pytest.mark.quick
 def test_retry_classification() -> None:
     for status, code in [(500, "InternalError"), (502, "BadGateway"), (503, "SlowDown"),
                          (504, "GatewayTimeout"), (429, "TooManyRequests"), (400, "RequestTimeout"),
@@ -92,6 +93,7 @@ def test_probe_reports_what_the_endpoint_supports(reduced: tuple[S3Store, FaultP
     assert [o.key for o in store.list(".aegis/")] == []  # the probe object is gone
 
 
+@pytest.mark.quick
 def test_stale_uploads_are_aborted_from_markers_without_list_multipart_uploads(
         s3_server: str, s3_bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:
     with FaultProxy(s3_server, rate=0.0, unsupported=("list_multipart_uploads",)) as proxy:
@@ -125,6 +127,7 @@ def test_stale_uploads_are_aborted_from_markers_without_list_multipart_uploads(
         assert proxy.refused["list_multipart_uploads"] == 2  # once per store, never retried
 
 
+@pytest.mark.quick
 def test_error_messages_name_the_key_once(s3_bucket: str) -> None:
     store = open_store(f"s3://{s3_bucket}/pre")
     with pytest.raises(AegisError) as e:
@@ -132,6 +135,7 @@ def test_error_messages_name_the_key_once(s3_bucket: str) -> None:
     assert f"s3://{s3_bucket}/pre/j/m does not exist" in str(e.value)
 
 
+@pytest.mark.quick
 def test_missing_bucket_and_no_credentials_fail_fast(s3_env: dict, s3_bucket: str,
                                                      monkeypatch: pytest.MonkeyPatch,
                                                      tmp_path: object) -> None:
@@ -158,6 +162,7 @@ def test_missing_bucket_and_no_credentials_fail_fast(s3_env: dict, s3_bucket: st
     assert time.monotonic() - t < 2.0
 
 
+@pytest.mark.quick
 def test_doctor_shows_what_the_endpoint_supports(s3_server: str, s3_bucket: str,
                                                  monkeypatch: pytest.MonkeyPatch,
                                                  capsys: pytest.CaptureFixture[str]) -> None:

@@ -28,6 +28,8 @@ from aegis.snapshot.shard import (
     verify_chunks,
 )
 
+pytestmark = pytest.mark.quick  # unit / single-process: make test-quick
+
 
 def titem(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> WriteItem:
     return WriteItem(

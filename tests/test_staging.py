@@ -187,6 +187,7 @@ def test_slot_mappings_outlive_a_manager_in_the_same_process(store_dir: Path) ->
         assert r["stale"] == [], r
 
 
+@pytest.mark.quick
 def test_staging_mode_is_checked(store_dir: Path) -> None:
     from aegis.training.config import ManagerConfig
 

@@ -148,6 +148,7 @@ def test_ping_rejects_an_address_without_a_port() -> None:
     assert out.returncode == 2 and "HOST:PORT" in out.stderr, out
 
 
+@pytest.mark.quick
 def test_the_log_follows_a_store_the_members_re_seeded() -> None:
     """After the store restarted empty the members write back what they know (storeclient.reseed:
     round 9's members, 7 join slots admitted): the serve log follows from round 9 (before, it

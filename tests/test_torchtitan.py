@@ -59,6 +59,7 @@ def test_python_dash_m_aegis_and_version() -> None:
     assert out.returncode == 2 and out.stderr.startswith("aegis: error:"), out
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(("kwargs", "field"), [
     ({}, "job"),
     ({"job": "j", "every": 0}, "every"),
@@ -77,6 +78,7 @@ def test_bad_config_names_the_field(kwargs: dict[str, Any], field: str) -> None:
         AegisCheckpointManager.Config(**kwargs)
 
 
+@pytest.mark.quick
 def test_config_every_is_interval_and_maps_retention() -> None:
     from aegis.integrations.torchtitan import AegisCheckpointManager
 
@@ -91,6 +93,7 @@ def test_config_every_is_interval_and_maps_retention() -> None:
         .manager_kwargs()["durable_keep_last"] == 3
 
 
+@pytest.mark.quick
 def test_torchtitan_key_mapping() -> None:
     from aegis.integrations.torchtitan import torchtitan_key
 
@@ -280,6 +283,7 @@ def _differs(saved: dict[str, str], got: dict[str, str]) -> list[str]:
     return sorted(k for k in set(saved) | set(got) if saved.get(k) != got.get(k))
 
 
+@pytest.mark.quick
 def test_both_backends_load_the_same_values(contract: dict[str, Any]) -> None:
     for rank, (saved, loaded) in enumerate(zip(contract["saved"], contract["loaded"], strict=True)):
         assert len(_differs(saved, loaded["fresh"])) > 10, "the fresh job must start elsewhere"
@@ -288,12 +292,14 @@ def test_both_backends_load_the_same_values(contract: dict[str, Any]) -> None:
         assert _differs(saved, loaded["titan"]) == [], f"rank {rank}: torchtitan DCP"
 
 
+@pytest.mark.quick
 def test_torchtitan_resumes_an_aegis_export(contract: dict[str, Any]) -> None:
     for rank, (saved, loaded) in enumerate(zip(contract["saved"], contract["loaded"], strict=True)):
         assert loaded["export_loaded"]
         assert _differs(saved, loaded["export"]) == [], f"rank {rank}"
 
 
+@pytest.mark.quick
 def test_torchtitan_checkpoint_seeds_an_aegis_job(contract: dict[str, Any]) -> None:
     for rank, (saved, loaded) in enumerate(zip(contract["saved"], contract["loaded"], strict=True)):
         assert loaded["seed_loaded"] and loaded["seed_saved"]
