@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from aegis.read.api import open as open  # noqa: A004 - aegis.open, kept out of __all__
     from aegis.read.errors import ReadError, SourceError
     from aegis.training.config import ManagerConfig
-    from aegis.training.inprocess import RecoveryGaveUp, World, run_in_process
+    from aegis.training.inprocess import PeerLost, RecoveryGaveUp, Regroup, World, run_in_process
     from aegis.training.manager import Manager
     from aegis.training.state import ModelOptimizerState, PerRank, Replicated, per_rank, replicated
 
@@ -41,6 +41,8 @@ if TYPE_CHECKING:
 _LAZY = {
     "ManagerConfig": "aegis.training.config",
     "RecoveryGaveUp": "aegis.training.inprocess",
+    "Regroup": "aegis.training.inprocess",
+    "PeerLost": "aegis.training.inprocess",
     "World": "aegis.training.inprocess",
     "run_in_process": "aegis.training.inprocess",
     "Manager": "aegis.training.manager",
@@ -77,6 +79,8 @@ __all__ = [
     "World",
     "run_in_process",
     "RecoveryGaveUp",
+    "Regroup",
+    "PeerLost",
     "ModelOptimizerState",
     "PerRank",
     "Replicated",
