@@ -22,3 +22,21 @@ def test_round_exceptions_are_public() -> None:
     assert aegis.Regroup is Regroup and aegis.PeerLost is PeerLost
     assert {"Regroup", "PeerLost"} <= set(aegis.__all__)
     assert issubclass(aegis.PeerLost, aegis.AegisError)
+
+
+def test_manager_keywords_are_the_config_fields_with_the_same_defaults() -> None:
+    """Every ManagerConfig field is an explicit keyword of Manager (IDEs and type checkers see
+    the durable options too), with the same default; staging and chunk_bytes default to None
+    there (the config's own default then applies: $AEGIS_STAGING, 16 MiB)."""
+    import dataclasses
+    import inspect
+
+    params = inspect.signature(aegis.Manager.__init__).parameters
+    fields = {f.name: f for f in dataclasses.fields(aegis.ManagerConfig)}
+    assert set(fields) == set(params) - {"self", "state"}
+    for name, f in fields.items():
+        if name in ("job", "staging", "chunk_bytes"):
+            continue
+        assert params[name].default == f.default, name
+    doc = aegis.Manager.__doc__ or ""
+    assert all(f"    {name}:" in doc for name in fields), "Manager's Args: block lists every field"

@@ -72,10 +72,53 @@ _PER_RANK = "per_rank"
 class Manager:
     """Snapshots the training state into host memory and restores it after a failure.
 
-    ``state`` maps names to :class:`ModelOptimizerState` or objects with
-    ``state_dict``/``load_state_dict``. Keyword arguments are :class:`ManagerConfig` fields.
-    Construction is collective (it creates aegis' own gloo group) and checks the configuration
-    and the state before any training time is spent.
+    Construction is collective: every rank of the default group builds its Manager with the same
+    job and configuration, in the same order (it creates aegis' own gloo group); it checks the
+    configuration and the state before any training time is spent. Then every rank calls
+    :meth:`restore` once before the loop, :meth:`save` after each step and :meth:`close` at the
+    end, in the same order.
+
+    Args:
+        job: names the run; snapshots live under ``<store_dir>/<job>/`` and ``<durable>/<job>/``.
+            One name per experiment (1-128 of ``[A-Za-z0-9_.-]``).
+        state: entry name -> :class:`ModelOptimizerState` (sharded through DCP), or any object
+            with ``state_dict``/``load_state_dict`` (per rank by default; LR schedulers and
+            :func:`~aegis.replicated` objects are replicated). No ``.`` in a name.
+        every: snapshot every ``every`` steps, or ``"auto"`` (Daly's interval from the measured
+            blocking time and ``mtbf_s``, within ``[1, every_max]``).
+        keep: committed snapshots kept in memory per node (plus one in flight).
+        replicas: copies of each shard pushed to other nodes (``redundancy="replica"``).
+        redundancy: ``"replica"``, ``"xor"`` (XOR parity over ``group_size`` nodes) or ``"rs"``
+            (Reed-Solomon, ``parity`` losses per group).
+        group_size: nodes per parity group (``"xor"``, ``"rs"``).
+        parity: lost nodes per group that ``"rs"`` rebuilds.
+        staging: ``"sync"``, ``"pinned"`` or ``"async"`` (how ``save`` copies device tensors);
+            default ``$AEGIS_STAGING`` or ``"sync"``.
+        store_dir: node store root (a tmpfs); default ``$AEGIS_STORE_DIR`` or ``/dev/shm/aegis``.
+        timeout: bound on every snapshot collective.
+        chunk_bytes: checksum and compression unit of a shard (default 16 MiB).
+        events_dir: where each rank appends its JSON-lines events.
+        rng: snapshot every rank's python, numpy, torch and CUDA RNG states.
+        verbose: one human line per snapshot and restore on rank 0.
+        debug: check replicated entries equal on every rank at each snapshot.
+        fresh: start the job over (its node-store snapshots are removed).
+        mtbf_s: with ``every="auto"``: mean seconds between interruptions of the whole job.
+        every_max: with ``every="auto"``: the longest interval, in steps.
+        durable: the durable tier's URL (``file:///path`` or ``s3://bucket/prefix``); None: none.
+        durable_every: upload a committed snapshot every N steps.
+        durable_every_s: ... or when this many seconds passed since the last upload began.
+        durable_keep_last: durable retention: the last N committed steps.
+        durable_keep_every: ... and every K-th step (0: none).
+        durable_codec: ``"planes"`` (zstd over byte planes), ``"zstd"`` or ``"raw"``.
+        durable_level: the zstd level.
+        durable_max_pending: uploads queued behind the running one before more are skipped.
+
+    Each is a :class:`ManagerConfig` field, documented there in full.
+
+    Raises:
+        ConfigError: a bad value, named with the fix, before any collective.
+        AegisError: the node store cannot hold ``keep + 1`` snapshots, the durable tier is not
+            reachable or writable, or the state does not fit the job's snapshots.
     """
 
     def __init__(
@@ -100,11 +143,15 @@ class Manager:
         fresh: bool = False,
         mtbf_s: float | None = None,
         every_max: int = 1000,
-        **durable: Any,
+        durable: str | None = None,
+        durable_every: int = 10,
+        durable_every_s: float | None = None,
+        durable_keep_last: int = 2,
+        durable_keep_every: int = 0,
+        durable_codec: str = "planes",
+        durable_level: int = 1,
+        durable_max_pending: int = 2,
     ) -> None:
-        unknown = [k for k in durable if not k.startswith("durable")]
-        if unknown:
-            raise TypeError(f"Manager() got unexpected keyword argument(s) {unknown}")
         extra: dict[str, Any] = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
         if staging is not None:
             extra["staging"] = staging
@@ -112,8 +159,11 @@ class Manager:
             job=job, every=every, keep=keep, replicas=replicas, redundancy=redundancy,
             group_size=group_size, parity=parity, store_dir=store_dir, timeout=timeout,
             events_dir=events_dir, rng=rng, verbose=verbose, debug=debug, fresh=fresh, mtbf_s=mtbf_s,
-            every_max=every_max,
-            **extra, **durable,
+            every_max=every_max, durable=durable, durable_every=durable_every,
+            durable_every_s=durable_every_s, durable_keep_last=durable_keep_last,
+            durable_keep_every=durable_keep_every, durable_codec=durable_codec,
+            durable_level=durable_level, durable_max_pending=durable_max_pending,
+            **extra,
         )
         # every="auto": the interval policy (pure) and what feeds it (see _auto_save).
         self._auto = (AutoInterval(float(self.config.mtbf_s or 0.0), self.config.every_max)
