@@ -4,6 +4,8 @@ from ``aegis`` itself."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 import aegis
@@ -40,3 +42,66 @@ def test_manager_keywords_are_the_config_fields_with_the_same_defaults() -> None
         assert params[name].default == f.default, name
     doc = aegis.Manager.__doc__ or ""
     assert all(f"    {name}:" in doc for name in fields), "Manager's Args: block lists every field"
+
+
+def _documented(doc: str) -> set[str]:
+    """Names listed in a docstring's ``Args:`` or ``Attributes:`` blocks (Google style)."""
+    import re
+
+    names: set[str] = set()
+    block = False
+    for line in doc.splitlines():
+        if re.match(r"^\s*(Args|Arguments|Attributes|Parameters):\s*$", line):
+            block, indent = True, None
+            continue
+        if block:
+            if not line.strip():
+                continue
+            m = re.match(r"^(\s+)\**(\w+)( \([^)]*\))?:", line)
+            if m and (indent is None or len(m.group(1)) == indent):
+                indent = len(m.group(1))
+                names.add(m.group(2))
+            elif indent is not None and len(line) - len(line.lstrip()) < indent:
+                block = re.match(r"^\s*(Args|Attributes):", line) is not None
+    return names
+
+
+def _entry_points() -> list[tuple[str, Any, list[str], str]]:
+    """(name, object, parameter names, docstring) of every public callable of aegis.__all__:
+    functions, constructors (a dataclass's fields) and public methods."""
+    import dataclasses
+    import inspect
+
+    out = [("open", aegis.open, list(inspect.signature(aegis.open).parameters), aegis.open.__doc__ or "")]
+    for name in aegis.__all__:
+        obj = getattr(aegis, name)
+        if inspect.isclass(obj) and issubclass(obj, BaseException):
+            continue
+        if inspect.isclass(obj):
+            if dataclasses.is_dataclass(obj):
+                out.append((name, obj, [f.name for f in dataclasses.fields(obj)], obj.__doc__ or ""))
+            elif "__init__" in vars(obj):
+                params = list(inspect.signature(obj.__init__).parameters)[1:]
+                out.append((name, obj, params, (obj.__doc__ or "") + (obj.__init__.__doc__ or "")))
+            for m, f in vars(obj).items():
+                if m.startswith("_") or not inspect.isfunction(f):
+                    continue
+                params = [p for p in inspect.signature(f).parameters if p not in ("self", "cls")]
+                out.append((f"{name}.{m}", f, params, f.__doc__ or ""))
+        elif callable(obj):
+            out.append((name, obj, list(inspect.signature(obj).parameters), obj.__doc__ or ""))
+    return out
+
+
+def test_every_public_entry_point_documents_each_parameter() -> None:
+    """issue 41: ``Args:`` (or ``Attributes:`` for a dataclass) names every parameter of every
+    public function, constructor and method; one without parameters needs a docstring."""
+    bad = []
+    for name, _obj, params, doc in _entry_points():
+        if not doc.strip():
+            bad.append(f"{name}: no docstring")
+            continue
+        missing = [p for p in params if p not in _documented(doc)]
+        if missing:
+            bad.append(f"{name}: {missing} not in its Args")
+    assert not bad, "\n".join(bad)

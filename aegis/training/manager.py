@@ -475,6 +475,16 @@ class Manager:
         trusted. With ``step``: exactly that committed step (e.g. to roll back), or
         :class:`~aegis.errors.NoSnapshotError`; snapshots newer than it are then removed from the
         node stores (the job saves those step numbers again), the durable tier keeps its own.
+
+        Args:
+            step: the committed step to restore, or None for the newest complete one.
+
+        Returns:
+            The restored step, or 0 when the job has no snapshot yet.
+
+        Raises:
+            NoSnapshotError: ``step`` is not committed anywhere this job can read.
+            AegisError: snapshots exist but none can be trusted (every copy damaged).
         """
         if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 1):
             raise ConfigError(f"restore(step={step!r}): a committed step number >= 1, or None for the newest")
@@ -590,6 +600,17 @@ class Manager:
         the commit run in the background. Raises the error of the previous snapshot if it failed
         (on every rank: the commit is decided for all), and refuses a step that is not newer
         than the last one saved or restored.
+
+        Args:
+            step: the training step just completed (strictly increasing).
+
+        Returns:
+            A handle on the snapshot's background work (``wait()`` re-raises its error), or
+            None when this step is not snapshotted.
+
+        Raises:
+            StepOrderError: ``step`` is not newer than the last one saved or restored.
+            AegisError: the previous snapshot failed (on every rank alike).
         """
         self._check_open()
         inprocess.check_round()  # a peer fenced off by an NCCL abort: no snapshot of garbage
@@ -730,7 +751,11 @@ class Manager:
     def abort(self, *, begin: bool = True) -> None:
         """Give up without collectives: what in-process recovery calls when a peer is lost
         (``begin=True`` before it destroys the process groups, ``begin=False`` after). Not for
-        ordinary use: ``close()`` is the collective, orderly end."""
+        ordinary use: ``close()`` is the collective, orderly end.
+
+        Args:
+            begin: True before the process groups are destroyed, False after.
+        """
         self._closed = True
         self._remove_hooks()
         self.engine.abort(begin=begin)
@@ -799,7 +824,11 @@ class Manager:
             self.uploader.submit(commit)
 
     def wait_durable(self, timeout: float | None = None) -> None:
-        """Block until every queued durable upload is done; raise the last upload error."""
+        """Block until every queued durable upload is done; raise the last upload error.
+
+        Args:
+            timeout: the most seconds to wait, or None for as long as it takes.
+        """
         if self.uploader is not None:
             self.uploader.wait(timeout)
             if self.uploader.last_error is not None:

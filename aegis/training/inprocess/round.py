@@ -56,7 +56,19 @@ class PeerLost(AegisError):
 
 @dataclass
 class World:
-    """What ``train`` is called with: the current membership."""
+    """What ``train`` is called with: the current round's membership, as this process sees it.
+
+    Attributes:
+        rank: this process's rank in the round (the default group's).
+        size: the round's world size.
+        round: the round's number (0 for the first; one more per membership change).
+        node: this process's node id (``AEGIS_NODE_ID`` or the hostname).
+        members: the round's member uids ``"<node>/<local rank>/<pid>"`` in rank order.
+        restarts: rounds this process re-entered ``train`` after a failure.
+        timings: the last recovery's phases, in seconds (teardown, agree, regroup).
+        failed_at: ``time.time()`` when this process saw the last failure, or None.
+        cause: why the previous round ended, as this process saw it, or None.
+    """
 
     rank: int
     size: int
