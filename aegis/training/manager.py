@@ -705,8 +705,8 @@ class Manager:
         """Wait until the in-flight snapshot is committed; re-raise its error. Collective."""
         return self.engine.wait()
 
-    def fence(self) -> None:
-        """``staging="async"`` only: make changes to parameters or optimizer state that do not
+    def synchronize_staging(self) -> None:
+        """``staging="async"`` only (DCP's ``AsyncStager`` has the same call): make changes to parameters or optimizer state that do not
         go through ``optimizer.step()`` safe for the snapshot still being copied. Call it before
         such an in-place change (an EMA written into the parameters, a manual clamp, loading
         weights) between ``save()`` and the next ``optimizer.step()``; the step itself does this
