@@ -249,7 +249,7 @@ class _StoreTolerantRendezvous:
         except Exception:  # noqa: BLE001 - still away: tried again later
             return False
         store.set_timeout(getattr(backend._store, "timeout", timedelta(seconds=60)))
-        backend._store = store
+        backend._store = store  # aegis: private-assign (torchelastic's C10d backend has no setter)
         return True
 
     def __getattr__(self, name: str) -> Any:

@@ -27,7 +27,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -212,8 +212,8 @@ class _Flattener:
     are read again through their paths. Flattening and fingerprinting a 384-parameter model's
     state every save cost about 5 ms here."""
 
-    def __init__(self) -> None:
-        self.stable: set[tuple[str, str]] = set()
+    def __init__(self, stable: Iterable[tuple[str, str]] = ()) -> None:
+        self.stable: set[tuple[str, str]] = set(stable)
         self._cache: dict[tuple[str, str], tuple[Any, list[tuple[str, tuple[Any, ...], Any]],
                                                  list[tuple[Any, ...]]]] = {}
 
@@ -355,6 +355,7 @@ class SnapshotEngine:
         parity: int = 2,
         staging: str = "sync",
         parity_fallback: bool = False,
+        stable_entries: Iterable[tuple[str, str]] = (),
     ) -> None:
         self.store = store
         self.stager = Stager(staging)
@@ -438,7 +439,9 @@ class SnapshotEngine:
         # write whole manifests (format 2) every step as before format 4: bench/scale.py's
         # comparison arm, nothing else
         self.whole_manifests = False
-        self._flat = _Flattener()  # the Manager marks its stable entries in _flat.stable
+        # stable_entries: the owner's (top key, entry name) pairs whose state_dict() hands back
+        # the same object while its tensors are the live ones (flattened once, _Flattener)
+        self._flat = _Flattener(stable_entries)
         self._plan: _Plan | None = None
         keep_maps = self.stager.pins
         self._pool: list[Slot] = [Slot(p, keep=keep_maps) for p in store.free_slots(self.rank)]

@@ -64,8 +64,13 @@ class CopyBarrier:
     state) runs after the copies; on CUDA it does not block the host. ``wait()``: the host
     waits until the copies are complete (their bytes are in the slot)."""
 
-    def __init__(self, *, cuda: bool) -> None:
+    def __init__(self, *, cuda: bool, later: Sequence[Pair] = (), pinned: bool = False,
+                 current: Any = None, start: Any = None) -> None:
         self.cuda = cuda
+        self.later: list[Pair] = list(later)  # the copies still to make (run_deferred)
+        self.pinned = pinned  # the slot is registered: device copies may be non_blocking
+        self.current = current  # CUDA: an event of work the copies must follow, or None
+        self.start = start  # CUDA: where the current stream was when the snapshot began
         self.issued = threading.Event()  # the deferred copies are issued (or failed)
         self.event: Any = None  # CUDA: recorded after the last copy
         self.error: BaseException | None = None
@@ -194,22 +199,17 @@ class Stager:
         if not later and current_event is None:
             return None
         cuda = any(s.is_cuda for _, s in later) or current_event is not None
-        barrier = CopyBarrier(cuda=cuda)
-        barrier._later = list(later)  # type: ignore[attr-defined]
-        barrier._pinned = pinned  # type: ignore[attr-defined]
-        barrier._current = current_event  # type: ignore[attr-defined]
+        start = None
         if cuda and later:
-            device = later[0][1].device
-            barrier._start = torch.cuda.current_stream(device).record_event()  # type: ignore[attr-defined]
-        else:
-            barrier._start = None  # type: ignore[attr-defined]
-        return barrier
+            start = torch.cuda.current_stream(later[0][1].device).record_event()
+        return CopyBarrier(cuda=cuda, later=later, pinned=pinned, current=current_event,
+                           start=start)
 
     def run_deferred(self, barrier: CopyBarrier) -> None:
         """Issue (CUDA) or do (CPU) the deferred copies; the background worker runs it before
         the snapshot's background half. Never raises: an error is kept in the barrier and raised
         by :meth:`CopyBarrier.wait` (the background half reports it to the commit)."""
-        later: list[Pair] = barrier._later  # type: ignore[attr-defined]
+        later = barrier.later
         t0 = time.perf_counter()
         try:
             with torch.no_grad():
@@ -218,15 +218,15 @@ class Stager:
                         dst.copy_(src.detach())
                 else:
                     events = []
-                    current = barrier._current  # type: ignore[attr-defined]
+                    current = barrier.current
                     if later:
                         device = later[0][1].device
                         with torch.cuda.device(device):
                             side = self._stream(device)
-                            side.wait_event(barrier._start)  # type: ignore[attr-defined]
+                            side.wait_event(barrier.start)
                             with torch.cuda.stream(side):
                                 for dst, src in later:
-                                    dst.copy_(src.detach(), non_blocking=barrier._pinned)  # type: ignore[attr-defined]
+                                    dst.copy_(src.detach(), non_blocking=barrier.pinned)
                                     src.record_stream(side)
                                 if current is not None:
                                     side.wait_event(current)
@@ -238,7 +238,7 @@ class Stager:
             barrier.error = e
         finally:
             barrier.issued.set()
-            barrier._later = []  # type: ignore[attr-defined]
+            barrier.later = []
         if barrier.event is not None and barrier.error is None:
             try:
                 barrier.event.synchronize()

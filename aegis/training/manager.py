@@ -223,11 +223,11 @@ class Manager:
             # keep snapshots replicated rather than fail every process; at a job's start an
             # impossible layout is still an error
             parity_fallback=inprocess.in_process_round(),
+            # ModelOptimizerState entries hand back the same state dict object while its
+            # tensors are the live ones (see ModelOptimizerState.state_dict): flattened once
+            stable_entries=[(_APP, n) for n, o in self.state.items()
+                            if isinstance(o, ModelOptimizerState)],
         )
-        # ModelOptimizerState entries hand back the same state dict object while its tensors are
-        # the live ones (see ModelOptimizerState.state_dict): flattened once by the engine
-        self.engine._flat.stable = {(_APP, n) for n, o in self.state.items()
-                                    if isinstance(o, ModelOptimizerState)}
         self._existing = self._find_existing()
         # staging="async": the tensors the optimizers update are copied after save() returns;
         # each optimizer's next step waits for those copies first
