@@ -85,3 +85,13 @@ def test_the_checker_finds_a_broken_link(tmp_path: Path) -> None:
 def test_the_readme_is_short() -> None:
     lines = len((ROOT / "README.md").read_text().splitlines())
     assert lines <= 300, f"README.md has {lines} lines: move detail into docs/guides/"
+
+
+def test_every_environment_variable_is_in_the_readme_table() -> None:
+    used = set()
+    for path in (ROOT / "aegis").rglob("*.py"):
+        used |= set(re.findall(r"\bAEGIS_[A-Z_]+[A-Z]\b", path.read_text()))
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("## Environment variables"):]
+    missing = sorted(v for v in used if f"`{v}`" not in table)
+    assert not missing, f"AEGIS_* variables read by aegis/ but not in the README's table: {missing}"
