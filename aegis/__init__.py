@@ -32,21 +32,21 @@ if TYPE_CHECKING:
     from aegis.read.api import open as open  # noqa: A004 - aegis.open, kept out of __all__
     from aegis.read.errors import ReadError, SourceError
     from aegis.training.config import ManagerConfig
-    from aegis.training.inprocess import RecoveryGaveUp, World, run_in_process
+    from aegis.training.inprocess import PeerLost, RecoveryGaveUp, Regroup, World, run_in_process
     from aegis.training.manager import Manager
-    from aegis.training.state import ModelOptimizerState, PerRank, Replicated, per_rank, replicated
+    from aegis.training.state import ModelOptimizerState, per_rank, replicated
 
 # Imported on first use: the training API imports torch (seconds), which the ``aegis`` command
 # needs only for the commands that read snapshots (``aegis plan --help`` starts without it).
 _LAZY = {
     "ManagerConfig": "aegis.training.config",
     "RecoveryGaveUp": "aegis.training.inprocess",
+    "Regroup": "aegis.training.inprocess",
+    "PeerLost": "aegis.training.inprocess",
     "World": "aegis.training.inprocess",
     "run_in_process": "aegis.training.inprocess",
     "Manager": "aegis.training.manager",
     "ModelOptimizerState": "aegis.training.state",
-    "PerRank": "aegis.training.state",
-    "Replicated": "aegis.training.state",
     "per_rank": "aegis.training.state",
     "replicated": "aegis.training.state",
     "open": "aegis.read.api",
@@ -77,9 +77,9 @@ __all__ = [
     "World",
     "run_in_process",
     "RecoveryGaveUp",
+    "Regroup",
+    "PeerLost",
     "ModelOptimizerState",
-    "PerRank",
-    "Replicated",
     "per_rank",
     "replicated",
     # "open" too is aegis.open, but stays out of __all__: `from aegis import *` must not

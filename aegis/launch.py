@@ -36,7 +36,7 @@ take a single new process, and needs torchrun's restart.
 Nodes that arrive later (a replacement node) are handled as by torchrun: a node waiting in the
 job's rendezvous makes the running agents restart their workers. Under in-process recovery a
 replacement node is started with a rendezvous of its own (``--nnodes=1`` and its own
-``--rdzv-id``) and joins through the membership store (README, "In-process recovery").
+``--rdzv-id``) and joins through the membership store (docs/guides/in-process.md).
 """
 
 from __future__ import annotations
@@ -249,7 +249,7 @@ class _StoreTolerantRendezvous:
         except Exception:  # noqa: BLE001 - still away: tried again later
             return False
         store.set_timeout(getattr(backend._store, "timeout", timedelta(seconds=60)))
-        backend._store = store
+        backend._store = store  # aegis: private-assign (torchelastic's C10d backend has no setter)
         return True
 
     def __getattr__(self, name: str) -> Any:

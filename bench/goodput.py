@@ -58,7 +58,7 @@ from typing import Any
 from _machine import git_info, machine_basics, replace_block  # noqa: E402 - bench/ is on sys.path as a script
 
 ROOT = Path(__file__).resolve().parent.parent
-README = ROOT / "README.md"
+GUIDE = ROOT / "docs" / "guides" / "planning.md"  # the guide that holds the goodput block
 sys.path.insert(0, str(ROOT))
 
 from aegis.goodput import (  # noqa: E402
@@ -299,15 +299,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", default=None)
     p.add_argument("--keep-workdir", action="store_true")
     p.add_argument("--out", default=str(DEFAULT_OUT))
-    p.add_argument("--no-readme", action="store_true", help="leave the README's result block alone")
+    p.add_argument("--no-readme", action="store_true", help="leave the planning guide's result block alone")
     p.add_argument("--render-only", action="store_true",
-                   help="run nothing: print the result in --out and rewrite the README block")
+                   help="run nothing: print the result in --out and rewrite the planning guide's block")
     args = p.parse_args(argv)
     if args.render_only:
         doc = json.loads(Path(args.out).read_text())
         print(render(doc))
         if not args.no_readme:
-            replace_block(README, README_BEGIN, README_END, render(doc))
+            replace_block(GUIDE, README_BEGIN, README_END, render(doc))
         return 0
     t0 = time.time()
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="aegis-bench-goodput-"))
@@ -370,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(work, ignore_errors=True)
     print("\n" + render(doc))
     if "targets" in doc and not args.no_readme:
-        replace_block(README, README_BEGIN, README_END, render(doc))
+        replace_block(GUIDE, README_BEGIN, README_END, render(doc))
     return 0 if all(t["pass"] for t in doc.get("targets", [{"pass": False}])) else 1
 
 
@@ -410,7 +410,7 @@ def render(doc: dict[str, Any]) -> str:
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(doc["started"]))
     out += ["", f"`{portable_command(doc['command'])}` ({started}, {doc['wall_s'] / 60:.1f} min; {m['cpu_count']} cores, "
             f"{m['MemTotal_kib'] / 2**20:.0f} GiB; load {doc['loadavg_1m']['start']:.2f} at the start); "
-            "data: [bench/results/goodput.json](bench/results/goodput.json)"]
+            "data: [bench/results/goodput.json](../../bench/results/goodput.json)"]
     return "\n".join(out) + "\n"
 
 

@@ -3,7 +3,7 @@
 plotted log-log beside O(1), O(world) and O(world^2), and projected to 1,024 and 16,384 ranks.
 
 Sections, each a function that returns its part of ``bench/results/scale.json`` (a section run
-replaces only its own part; ``--render`` draws the plot and the README block from whatever
+replaces only its own part; ``--render`` draws the plot and the benchmarks guide's block from whatever
 sections the file holds):
 
 ``membership``  the in-process recovery membership protocol (``aegis/training/inprocess/
@@ -30,7 +30,7 @@ Adding a section: a function ``section_<name>(args) -> dict`` with the keys of
     .venv/bin/python bench/scale.py --sections membership            # sizes 8 ... 4096
     .venv/bin/python bench/scale.py --sections membership --sizes 8,64,512
     .venv/bin/python bench/scale.py --sections metadata,restore
-    .venv/bin/python bench/scale.py --render                         # plot + README only
+    .venv/bin/python bench/scale.py --render                         # plot + the guide's block only
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ from _scale_snapshot import (  # noqa: E402
 from aegis.goodput import fit_loglog, larger_half  # noqa: E402
 
 OUT = ROOT / "bench" / "results" / "scale.json"
-README = ROOT / "README.md"
+GUIDE = ROOT / "docs" / "guides" / "benchmarks.md"  # the guide that holds the scale block
 BEGIN, END = "<!-- scale:begin -->", "<!-- scale:end -->"
 PROJECT_TO = (1024, 16384)
 RANKS_PER_NODE = 8
@@ -956,8 +956,8 @@ def _markdown(doc: dict[str, Any]) -> str:
               f"{p['measured_to']:,}", _g(p["at_largest"], p["unit"]),
               *[_g(p[str(w)], p["unit"]) for w in PROJECT_TO]] for p in proj]))
         lines.append("")
-    lines.append("Plot: [scale.png](bench/results/scale.png), data: "
-                 "[scale.json](bench/results/scale.json).")
+    lines.append("Plot: [scale.png](../../bench/results/scale.png), data: "
+                 "[scale.json](../../bench/results/scale.json).")
     return "\n".join(lines)
 
 
@@ -968,14 +968,14 @@ def _g(v: float, unit: str) -> str:
 
 
 def _readme(doc: dict[str, Any]) -> None:
-    text = README.read_text()
+    text = GUIDE.read_text()
     if BEGIN not in text or END not in text:
-        print(f"README.md has no {BEGIN} ... {END} block: not updated")
+        print(f"{GUIDE} has no {BEGIN} ... {END} block: not updated")
         return
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
-    README.write_text(head + BEGIN + "\n" + _markdown(doc) + "\n" + END + tail)
-    print("README.md: scale block rewritten")
+    GUIDE.write_text(head + BEGIN + "\n" + _markdown(doc) + "\n" + END + tail)
+    print(f"{GUIDE}: scale block rewritten")
 
 
 # == main =========================================================================================
@@ -986,7 +986,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sections", default=",".join(SECTIONS),
                    help=f"comma-separated, of: {', '.join(SECTIONS)}")
-    p.add_argument("--render", action="store_true", help="only redraw the plot and README block")
+    p.add_argument("--render", action="store_true", help="only redraw the plot and the guide's block")
     p.add_argument("--rebuild", action="store_true",
                    help="re-derive each section's series, table and notes from its stored runs "
                         "(no measuring), then render")

@@ -481,7 +481,9 @@ def test_a_silent_member_is_declared_at_dead_after_s_not_at_the_next_beat(store:
             time.sleep(0.02)
         assert [d[0] for d in watcher.declarations] == ["nq/0/9"]
         silent = watcher.declarations[0][1]
-        assert 1.2 <= silent < 1.35, silent
+        # looks at beats alone declare at 1.5 s (the first beat past 1.2 s): anything below is
+        # the extra look; the margin above 1.2 s is the machine's (a liveness bound, issue 37)
+        assert 1.2 <= silent < 1.5, silent
         assert watcher.ticks < 2 * 5 + 4  # one extra look, not a look every few milliseconds
     finally:
         watcher.stop()

@@ -43,8 +43,9 @@ def _async_optimizer_waits(rank: int, world: int, store: str) -> dict[str, Any]:
     assert mgr.restore() == 0
     for step in range(1, 4):
         train_step(model, opt, sched, step, rank)
+        if step == 3:  # what the step-3 snapshot must hold, gathered before save(3): step 4
+            saved = _tensors(full_state(model, opt))  # starts the moment save(3) returns
         mgr.save(step)
-    saved = _tensors(full_state(model, opt))  # what the step-3 snapshot must hold
     t0 = time.perf_counter()
     train_step(model, opt, sched, 4, rank)  # its optimizer step overwrites params and moments
     step4_s = time.perf_counter() - t0
@@ -66,7 +67,11 @@ def test_async_the_next_optimizer_step_waits_for_the_deferred_copies(store_dir: 
     res = run_ranks(2, _async_optimizer_waits, str(store_dir), env=DELAY)
     print(f"step 4 (its optimizer step waited for step 3's copies): "
           f"{[round(r['step4_s'], 2) for r in res]} s")
-    assert all(r["step4_s"] >= 0.9 for r in res), res
+    # the copies start 1 s after save(3) submitted them, and step 4 began as save(3) returned:
+    # its optimizer step waited most of that second (without the hook a step takes ~20 ms;
+    # the bitwise check on rank 0 is the proof, this shows the wait; issue 37: measured from
+    # after a gather, under load, the wait had read 0.67-0.89 s against a 0.9 s bound)
+    assert all(r["step4_s"] >= 0.5 for r in res), res
 
 
 class _BN(nn.Module):

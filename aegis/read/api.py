@@ -105,11 +105,20 @@ def open(*uris: str | os.PathLike[str], job: str | None = None,  # noqa: A001 - 
     job's prefix), or a plain DCP checkpoint directory (or a directory of them).
 
     Several URIs must hold the same job; each step is then read from every place that holds it
-    (memory before durable, then in the order given). ``job`` chooses when a root holds several.
-    ``unsafe_load_objects`` unpickles a plain DCP checkpoint's ``.metadata`` with plain pickle
-    instead of the allow-list of DCP's classes (only for checkpoints you trust).
+    (memory before durable, then in the order given).
 
-    Raises :class:`~aegis.read.errors.SourceError` for a URI of the wrong kind, in one line."""
+    Args:
+        uris: the places, one job's.
+        job: the job, when a root holds several.
+        unsafe_load_objects: unpickle a plain DCP checkpoint's ``.metadata`` with plain pickle
+            instead of the allow-list of DCP's classes (only for checkpoints you trust).
+
+    Returns:
+        A :class:`Source` (close it, or use it as a context manager).
+
+    Raises:
+        SourceError: a URI of the wrong kind, or URIs of different jobs, in one line.
+    """
     if not uris:
         raise SourceError("aegis.open: give at least one URI (a node store directory, file:///path, "
                           "s3://bucket/prefix or a DCP checkpoint directory)")
@@ -129,12 +138,19 @@ def open(*uris: str | os.PathLike[str], job: str | None = None,  # noqa: A001 - 
 class SnapshotEntry:
     """One entry of a snapshot, as data.
 
-    ``name`` is the flat key (``app.model.model.head.weight``); ``kind`` is ``"tensor"`` or
-    ``"object"`` (a serialized non-tensor item); ``nbytes`` the full tensor's bytes or the
-    object's serialized bytes; ``shards`` how many stored pieces a tensor is cut into. ``state``
-    is the name of the Manager state entry it belongs to (``model``, ``sched``; ``rng`` for the
-    RNG states), ``state_kind`` that entry's kind (``sharded``, ``per_rank``, ``replicated``;
-    None when unknown), and ``rank`` the rank whose copy it is for per-rank entries."""
+    Attributes:
+        name: the flat key (``app.model.model.head.weight``).
+        kind: ``"tensor"`` or ``"object"`` (a serialized non-tensor item).
+        dtype: a tensor's dtype name (None for an object).
+        shape: a tensor's full shape (None for an object).
+        nbytes: the full tensor's bytes, or the object's serialized bytes.
+        shards: how many stored pieces a tensor is cut into.
+        state: the Manager state entry it belongs to (``model``, ``sched``; ``rng`` for the RNG
+            states).
+        state_kind: that entry's kind (``sharded``, ``per_rank``, ``replicated``; None when
+            unknown).
+        rank: the rank whose copy it is, for per-rank entries.
+    """
 
     name: str
     kind: str
@@ -199,7 +215,11 @@ class Source:
 
     ``steps`` are the committed steps anywhere, ascending; ``steps_by_tier`` the same per tier
     (``memory``, ``durable``, ``dcp``); ``locations`` the places themselves. Close it (or use it
-    as a context manager) to release S3 clients."""
+    as a context manager) to release S3 clients.
+
+    Args:
+        locations: the places, one job's (what :func:`aegis.open` resolved the URIs to).
+    """
 
     def __init__(self, locations: Sequence[Location]) -> None:
         if not locations:
@@ -246,14 +266,22 @@ class Source:
 
     def step(self, step: int) -> Snapshot:
         """Step ``step``, read from every location that has it committed. NoSnapshotError names
-        the committed steps when it is in none; ManifestError when no copy's manifest reads."""
+        the committed steps when it is in none; ManifestError when no copy's manifest reads.
+
+        Args:
+            step: the committed step.
+        """
         return self._open(step)
 
     def latest(self, *, skip_damaged: bool = True) -> Snapshot:
         """The newest committed step. With ``skip_damaged`` (the default, as restore does), a
         step whose manifest reads in no location, or whose shards are not all in the opened
         locations, is passed over for the next older one (named in ``notes``); without it, the
-        newest committed step or its error."""
+        newest committed step or its error.
+
+        Args:
+            skip_damaged: pass over a step that cannot be read whole, as restore does.
+        """
         if any(loc.tier == TIER_DCP for loc in self.locations):
             return Snapshot(self, [self.locations[0].open(None)], [])
         steps = self.steps
@@ -321,6 +349,7 @@ class Source:
     # -- lifetime --------------------------------------------------------------------------------
 
     def close(self) -> None:
+        """Release the locations' clients (S3 connections)."""
         for loc in self.locations:
             loc.close()
 
@@ -360,7 +389,13 @@ def _pool_records(locations: Sequence[Any], step: int) -> None:
 
 class Snapshot:
     """One step of a :class:`Source`, readable from one or more copies (``copies``, in the
-    order they are tried). Made by :meth:`Source.step` / :meth:`Source.latest`."""
+    order they are tried). Made by :meth:`Source.step` / :meth:`Source.latest`.
+
+    Args:
+        source: the Source it belongs to.
+        copies: the step's copies, in the order they are tried.
+        notes: what was passed over to find it (damaged steps, missing shards).
+    """
 
     def __init__(self, source: Source, copies: list[Copy], notes: list[str]) -> None:
         self.source = source
@@ -409,11 +444,20 @@ class Snapshot:
         return self.copies[0].summary()
 
     def entry_bytes(self, name: str) -> int:
+        """The full bytes of entry ``name`` (a tensor's, or an object's serialized bytes).
+
+        Args:
+            name: the entry's flat name.
+        """
         return self.entries[name].nbytes
 
     def bytes_to_read(self, names: Sequence[str] | None = None) -> int:
         """Bytes read from the copies to serve ``names`` (None: every entry): whole chunks for
-        aegis snapshots, the entries' own bytes for DCP checkpoints."""
+        aegis snapshots, the entries' own bytes for DCP checkpoints.
+
+        Args:
+            names: entry names (None: every entry).
+        """
         names = list(self.entries) if names is None else list(names)
         if self.manifest is None:
             return sum(self.entry_bytes(n) for n in names)
@@ -627,7 +671,16 @@ class Snapshot:
         """``(name, full tensor)`` pairs, read a batch at a time: the read holds at most
         ``max_bytes`` of chunks (half of it for the batch's tensors in their stored dtype when
         ``dtype``/``device`` convert them) plus the tensors of the current batch. Names are
-        as stored, less ``prefix`` when given."""
+        as stored, less ``prefix`` when given.
+
+        Args:
+            keys: entry names, or prefixes ending at a dot (None: every tensor).
+            prefix: only entries under it, yielded without it.
+            dtype: convert each tensor to it (None: as stored).
+            device: where the tensors go.
+            max_bytes: the most chunk bytes held at once.
+            progress: a progress callback or bar (None: a bar on a terminal's stderr, else none).
+        """
         names = self._select(keys, prefix, "tensor")
         convert = dtype is not None or torch.device(device).type != "cpu"
         budget = max(1, max_bytes // 2) if convert else max_bytes
@@ -648,7 +701,16 @@ class Snapshot:
         ``keys``: entry names, or prefixes ending at a dot (None: every tensor); ``prefix``:
         only entries under it, returned without it (``prefix="app.model.model."`` gives what
         ``model.load_state_dict`` takes). Read a batch at a time, holding at most ``max_bytes``
-        of chunks besides the result; ``dtype``/``device`` convert each batch as it is read."""
+        of chunks besides the result; ``dtype``/``device`` convert each batch as it is read.
+
+        Args:
+            keys: entry names, or prefixes ending at a dot (None: every tensor).
+            prefix: only entries under it, returned without it.
+            dtype: convert each tensor to it (None: as stored).
+            device: where the tensors go.
+            max_bytes: the most chunk bytes held at once besides the result.
+            progress: a progress callback or bar (None: a bar on a terminal's stderr, else none).
+        """
         out = dict(self.tensors(keys, prefix=prefix, dtype=dtype, device=device, max_bytes=max_bytes,
                                 progress=progress))
         names = self._select(keys, prefix, "tensor")
@@ -657,7 +719,14 @@ class Snapshot:
 
     def tensor(self, name: str, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
                progress: ProgressArg = None) -> torch.Tensor:
-        """One full tensor, reading only the chunks that hold it."""
+        """One full tensor, reading only the chunks that hold it.
+
+        Args:
+            name: the entry's flat name.
+            dtype: convert it to this dtype (None: as stored).
+            device: where it goes.
+            progress: a progress callback or bar (None: a bar on a terminal's stderr, else none).
+        """
         return self._tensor(name, dtype=dtype, device=device, progress=progress)
 
     def _tensor(self, name: str, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
@@ -675,7 +744,12 @@ class Snapshot:
     def lazy(self, *, prefix: str | None = None, cache_bytes: int = 64 << 20) -> LazyTensors:
         """A read-only mapping of name -> tensor that reads each tensor when it is looked up
         (``safe_open``-like: ``keys()``, ``get_tensor(name)``, ``m[name]``). The verified chunks
-        it read last (up to ``cache_bytes``) are kept: small tensors share chunks."""
+        it read last (up to ``cache_bytes``) are kept: small tensors share chunks.
+
+        Args:
+            prefix: only entries under it, named without it.
+            cache_bytes: verified chunk bytes kept for later lookups.
+        """
         return LazyTensors(self, prefix, cache_bytes=cache_bytes)
 
     def load_into(self, target: nn.Module | MutableMapping[str, torch.Tensor], *, prefix: str | None = None,
@@ -689,7 +763,15 @@ class Snapshot:
         target keys exist, e.g. ``app.model.model.`` for a ``ModelOptimizerState`` entry named
         ``model``). ``strict``: StateMismatchError when the target has keys the snapshot lacks or
         the snapshot has tensors under the prefix the target lacks; shapes must always match
-        (dtypes are converted, as ``load_state_dict`` does)."""
+        (dtypes are converted, as ``load_state_dict`` does).
+
+        Args:
+            target: a plain ``nn.Module`` or a mapping of name -> tensor, written in place.
+            prefix: where the target's keys are in the snapshot (None: found as above).
+            strict: refuse missing or unexpected keys (StateMismatchError).
+            max_bytes: the most chunk bytes held at once on top of the target.
+            progress: a progress callback or bar (None: a bar on a terminal's stderr, else none).
+        """
         module = target if isinstance(target, nn.Module) else None
         sd: MutableMapping[str, Any] = module.state_dict(keep_vars=False) if module is not None else target  # type: ignore[assignment]
         tensors: dict[str, torch.Tensor] = {}
@@ -762,7 +844,15 @@ class Snapshot:
         """The non-tensor entries: their serialized bytes (``torch.save`` format) as stored; with
         ``unpickle``, ``torch.load(weights_only=weights_only)`` of them. ``weights_only=False``
         runs code from the snapshot (the command's --unsafe-load-objects): only for snapshots
-        you trust."""
+        you trust.
+
+        Args:
+            keys: entry names, or prefixes ending at a dot (None: every object).
+            prefix: only entries under it, returned without it.
+            unpickle: give the loaded objects instead of their bytes.
+            weights_only: ``torch.load``'s ``weights_only`` when unpickling.
+            progress: a progress callback or bar (None: a bar on a terminal's stderr, else none).
+        """
         names = self._select(keys, prefix, "object")
         if not names:
             return {}
@@ -776,7 +866,15 @@ class Snapshot:
               max_bytes: int = DEFAULT_MAX_BYTES) -> dict[Any, Any]:
         """One entry of the Manager's state as the nested dict it saved: full tensors, and the
         non-tensor values as bytes (or unpickled: see :meth:`objects`). A per-rank entry (and
-        ``rng``) gives ``{rank: state}``, or one rank's state with ``rank``."""
+        ``rng``) gives ``{rank: state}``, or one rank's state with ``rank``.
+
+        Args:
+            name: the Manager state entry (``model``, ``sched``, ``rng``, ...).
+            rank: one rank's copy of a per-rank entry (None: every rank's).
+            unpickle: give the non-tensor values loaded instead of as bytes.
+            weights_only: ``torch.load``'s ``weights_only`` when unpickling.
+            max_bytes: the most chunk bytes held at once.
+        """
         from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
 
         per_rank = name == "rng" or self.state_kinds.get(name) == "per_rank" or any(
@@ -816,7 +914,11 @@ class Snapshot:
     def verify(self, *, progress: ProgressArg = None) -> VerifyReport:
         """Check every chunk of the first copy (what ``aegis verify`` checks); damage there that
         another opened copy holds intact is covered (``notes``), so ``ok`` says whether the whole
-        snapshot can be read."""
+        snapshot can be read.
+
+        Args:
+            progress: a progress callback or bar (None: a bar on a terminal's stderr, else none).
+        """
         primary = self.copies[0]
         loc = primary.location
         with progress_bar(progress, f"verifying step {self.step}", loc.verify_bytes(self.step)) as bar:
@@ -850,7 +952,12 @@ class Snapshot:
         """Local files laid out like the shards, holding every verified chunk, per shard rank:
         a node store's own shard files when every chunk checks out there (checked again
         afterwards: a running job may reuse them), else sparse temporary files (``$TMPDIR``)
-        filled from the copies, ``max_bytes`` at a time."""
+        filled from the copies, ``max_bytes`` at a time.
+
+        Args:
+            progress: a progress callback or bar (None: a bar on a terminal's stderr, else none).
+            max_bytes: the most chunk bytes fetched at a time.
+        """
         m = self.manifest
         if m is None:
             raise SourceError(f"{self.uri} is a plain DCP checkpoint: it has no aegis shards")
@@ -902,7 +1009,15 @@ class Snapshot:
         plain DCP checkpoint directory, sharding kept, non-tensor items copied as bytes),
         ``"torch"`` (one ``torch.save`` file of full tensors, nested like the training state or
         ``flat``; non-tensor entries only with ``unpickle``, which unpickles them with
-        weights_only=False) or ``"safetensors"`` (tensors only). Returns counts."""
+        weights_only=False) or ``"safetensors"`` (tensors only). Returns counts.
+
+        Args:
+            out: the directory (``dcp``) or file (``torch``, ``safetensors``) to write.
+            format: ``"dcp"``, ``"torch"`` or ``"safetensors"``.
+            flat: ``torch`` only: one flat dict instead of the nested training state.
+            unpickle: ``torch`` only: include the non-tensor entries, unpickled (trusted snapshots only).
+            progress: a progress callback or bar (None: a bar on a terminal's stderr, else none).
+        """
         from aegis.read import export as _export
 
         if format not in ("dcp", "torch", "safetensors"):

@@ -16,7 +16,7 @@ agent, the node's other workers and its store stay.
 
 On a real cluster the same roles are: a rendezvous endpoint that outlives any training node
 (a small always-on host, or etcd with ``--rdzv_backend=etcd-v2``), ``--nnodes=MIN:MAX`` with
-``--max-restarts``, and a node store on each node's tmpfs (``AEGIS_STORE_DIR``). See README.
+``--max-restarts``, and a node store on each node's tmpfs (``AEGIS_STORE_DIR``). See docs/guides/cluster.md.
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ from aegis.snapshot.shard import (
     finish_layout,
     plan_layout,
 )
-from aegis.snapshot.staging import Fence, Stager
+from aegis.snapshot.staging import CopyBarrier, Stager
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -95,7 +95,7 @@ class StagedShard:
     payloads: list[bytes]
     copy_s: float
     tail: bytes = b""  # after complete(): the bytes region, index and footer
-    fence: Fence | None = None  # staging="async": the copies still in flight (wait before crc)
+    barrier: CopyBarrier | None = None  # staging="async": the copies still in flight (wait before crc)
 
 
 def stage(step: int, rank: int, layout: ShardLayout, slot: Slot,
@@ -107,7 +107,7 @@ def stage(step: int, rank: int, layout: ShardLayout, slot: Slot,
     ``resolve_data`` or the engine's cached equivalent. With a ``stager`` in
     ``pinned`` or ``async`` mode, device tensors go ``non_blocking`` into the (registered) slot,
     and in ``async`` mode the tensors the optimizers update are left to the returned shard's
-    ``fence`` (see :mod:`aegis.snapshot.staging`).
+    ``barrier`` (see :mod:`aegis.snapshot.staging`).
     """
     t0 = time.perf_counter()
     stager = stager or Stager("sync")
@@ -122,13 +122,13 @@ def stage(step: int, rank: int, layout: ShardLayout, slot: Slot,
     stager.copy_now(split.now[:half], slot.pinned)
     _fault.hit("stage", step, rank)
     stager.copy_now(split.now[half:], slot.pinned)
-    fence = stager.begin_deferred(split.later, slot.pinned) if stager.mode == "async" else None
+    barrier = stager.begin_deferred(split.later, slot.pinned) if stager.mode == "async" else None
     payloads = []
     for item in layout.byte_items:
         data = resolve(item)
         assert isinstance(data, io.BytesIO)
         payloads.append(data.getvalue())
-    return StagedShard(step, rank, layout, slot, payloads, time.perf_counter() - t0, fence=fence)
+    return StagedShard(step, rank, layout, slot, payloads, time.perf_counter() - t0, barrier=barrier)
 
 
 def complete(staged: StagedShard, *, job: str, node: str) -> ShardRecord:

@@ -27,7 +27,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,7 +79,7 @@ from aegis.snapshot.manifest import (
 from aegis.snapshot.node_store import NodeStore, Slot
 from aegis.snapshot.placement import Placement, parity_groups
 from aegis.snapshot.shard import ShardLayout, check_blob, plan_layout
-from aegis.snapshot.staging import Fence, Stager
+from aegis.snapshot.staging import CopyBarrier, Stager
 from aegis.snapshot.transport import Recv, Send, Transport
 
 __all__ = ["SnapshotEngine", "SnapshotHandle", "SnapshotResult", "format_bytes"]
@@ -212,8 +212,8 @@ class _Flattener:
     are read again through their paths. Flattening and fingerprinting a 384-parameter model's
     state every save cost about 5 ms here."""
 
-    def __init__(self) -> None:
-        self.stable: set[tuple[str, str]] = set()
+    def __init__(self, stable: Iterable[tuple[str, str]] = ()) -> None:
+        self.stable: set[tuple[str, str]] = set(stable)
         self._cache: dict[tuple[str, str], tuple[Any, list[tuple[str, tuple[Any, ...], Any]],
                                                  list[tuple[Any, ...]]]] = {}
 
@@ -355,10 +355,11 @@ class SnapshotEngine:
         parity: int = 2,
         staging: str = "sync",
         parity_fallback: bool = False,
+        stable_entries: Iterable[tuple[str, str]] = (),
     ) -> None:
         self.store = store
         self.stager = Stager(staging)
-        self._fence: Fence | None = None  # the in-flight snapshot's deferred copies (async)
+        self._barrier: CopyBarrier | None = None  # the in-flight snapshot's deferred copies (async)
         # entry name -> kind, recorded in each manifest; the owner (the Manager) fills it in when
         # it builds the state dict, before the save that commits it
         self.state_kinds = state_kinds if state_kinds is not None else {}
@@ -438,7 +439,9 @@ class SnapshotEngine:
         # write whole manifests (format 2) every step as before format 4: bench/scale.py's
         # comparison arm, nothing else
         self.whole_manifests = False
-        self._flat = _Flattener()  # the Manager marks its stable entries in _flat.stable
+        # stable_entries: the owner's (top key, entry name) pairs whose state_dict() hands back
+        # the same object while its tensors are the live ones (flattened once, _Flattener)
+        self._flat = _Flattener(stable_entries)
         self._plan: _Plan | None = None
         keep_maps = self.stager.pins
         self._pool: list[Slot] = [Slot(p, keep=keep_maps) for p in store.free_slots(self.rank)]
@@ -548,9 +551,9 @@ class SnapshotEngine:
             result.copy_s = staged.copy_s
         except Exception as e:  # noqa: BLE001 - every rank must still take part in the commit
             error = e
-        self._fence = staged.fence if staged is not None else None
-        if self._fence is not None:  # async: the deferred copies run first on the worker
-            self._executor.submit(self._run_deferred, self._fence, step)
+        self._barrier = staged.barrier if staged is not None else None
+        if self._barrier is not None:  # async: the deferred copies run first on the worker
+            self._executor.submit(self._run_deferred, self._barrier, step)
         result.blocking_s = time.perf_counter() - t0
         future = self._executor.submit(self._finish, result, slot, staged, error)
         handle = SnapshotHandle(step, future)
@@ -569,21 +572,21 @@ class SnapshotEngine:
             return None
         return inflight[0].wait()
 
-    def _run_deferred(self, fence: Fence, step: int) -> None:
+    def _run_deferred(self, barrier: CopyBarrier, step: int) -> None:
         try:
             _fault.hit("deferred", step, self.rank)
-        finally:  # the fence is always resolved: an optimizer step may be waiting on it
-            self.stager.run_deferred(fence)
+        finally:  # the barrier is always resolved: an optimizer step may be waiting on it
+            self.stager.run_deferred(barrier)
 
     def order(self) -> None:
         """What may overwrite the state next (an optimizer step) is ordered after the in-flight
         snapshot's deferred copies (``staging="async"``): on CUDA the current stream waits for
         them (the host does not), on a CPU state the host waits. A no-op otherwise. Called by the
         Manager's optimizer step pre-hooks, on the training thread."""
-        fence = self._fence
-        if fence is not None:
-            fence.order()
-            self._fence = None
+        barrier = self._barrier
+        if barrier is not None:
+            barrier.order()
+            self._barrier = None
 
     def close(self) -> None:
         """Finish the in-flight snapshot, then release the slots (free ones are deleted)."""
@@ -795,12 +798,12 @@ class SnapshotEngine:
         record: ShardRecord | None = None
         err = f"{type(error).__name__}: {error}" if error is not None else None
         full = error is not None and is_store_full(error)  # only a full store on this rank?
-        if staged is not None and staged.fence is not None:
+        if staged is not None and staged.barrier is not None:
             try:  # the deferred copies must be in the slot before anything reads it
-                staged.fence.wait()
+                staged.barrier.wait()
             except Exception as e:  # noqa: BLE001 - reported to rank 0
                 err = err or f"deferred copy: {type(e).__name__}: {e}"
-            result.deferred_s = staged.fence.seconds
+            result.deferred_s = staged.barrier.seconds
         if staged is not None and err is None:
             try:
                 record = complete(staged, job=self.store.job, node=self.node)

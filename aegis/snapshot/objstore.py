@@ -53,7 +53,7 @@ class UnsupportedOperation(AegisError):
 
 
 # What each optional operation is for, and what aegis does without it (``aegis doctor`` prints
-# these; the README's durable-tier section has the same table).
+# these; docs/guides/durable.md has the same table).
 CAPABILITY_FALLBACKS: dict[str, tuple[str, str]] = {
     "batch_delete": ("DeleteObjects (up to 1,000 keys per request)",
                      "deletes one object per request: retention and cleanup take more requests"),

@@ -17,7 +17,7 @@ async     like ``pinned``, but ``save()`` returns once the copies are *issued*: 
 
 What may be deferred is decided per tensor, by storage: only the tensors the optimizers update
 (parameters and optimizer state; :attr:`Deferral.storages`, given by the Manager), because
-their only writer is ``optimizer.step()``, which the fence guards. Everything else (buffers that
+their only writer is ``optimizer.step()``, which the barrier guards. Everything else (buffers that
 a forward updates in place, per-rank entries, RNG states, byte items) is copied or serialized
 before ``save()`` returns: on CUDA, copies of device tensors go on the *current* stream, so that
 any later in-place update on that stream runs after them.
@@ -25,7 +25,7 @@ any later in-place update on that stream runs after them.
 Who calls what: :func:`aegis.snapshot.dcp_io.stage` splits the rank's items with
 :meth:`Stager.split` and copies the immediate ones; the engine submits :meth:`Stager.deferred`
 to its background worker before the snapshot's background half, which waits on the
-:class:`Fence` before checksumming; the Manager's optimizer hooks call :meth:`Fence.order`.
+:class:`CopyBarrier` before checksumming; the Manager's optimizer hooks call :meth:`CopyBarrier.order`.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["MODES", "Fence", "Stager", "Deferral"]
+__all__ = ["MODES", "CopyBarrier", "Stager", "Deferral"]
 
 MODES = ("sync", "pinned", "async")
 
@@ -57,15 +57,20 @@ class Deferral:
     storages: frozenset[int] = frozenset()
 
 
-class Fence:
+class CopyBarrier:
     """Done when one snapshot's copies have read their sources.
 
     ``order()``: work issued after it (on the current CUDA stream, or by this thread on a CPU
     state) runs after the copies; on CUDA it does not block the host. ``wait()``: the host
     waits until the copies are complete (their bytes are in the slot)."""
 
-    def __init__(self, *, cuda: bool) -> None:
+    def __init__(self, *, cuda: bool, later: Sequence[Pair] = (), pinned: bool = False,
+                 current: Any = None, start: Any = None) -> None:
         self.cuda = cuda
+        self.later: list[Pair] = list(later)  # the copies still to make (run_deferred)
+        self.pinned = pinned  # the slot is registered: device copies may be non_blocking
+        self.current = current  # CUDA: an event of work the copies must follow, or None
+        self.start = start  # CUDA: where the current stream was when the snapshot began
         self.issued = threading.Event()  # the deferred copies are issued (or failed)
         self.event: Any = None  # CUDA: recorded after the last copy
         self.error: BaseException | None = None
@@ -185,63 +190,58 @@ class Stager:
 
     _pending_current: Any = None
 
-    def begin_deferred(self, later: Sequence[Pair], pinned: bool) -> Fence | None:
-        """Start the deferred part (``async``): returns the snapshot's fence, or None when
+    def begin_deferred(self, later: Sequence[Pair], pinned: bool) -> CopyBarrier | None:
+        """Start the deferred part (``async``): returns the snapshot's barrier, or None when
         nothing is deferred and nothing is in flight on the current stream. Call on the training
-        thread, right after :meth:`copy_now`: a CUDA fence records where the current stream
+        thread, right after :meth:`copy_now`: a CUDA barrier records where the current stream
         is, so the copies start after everything issued so far (the optimizer step)."""
         current_event, self._pending_current = self._pending_current, None
         if not later and current_event is None:
             return None
         cuda = any(s.is_cuda for _, s in later) or current_event is not None
-        fence = Fence(cuda=cuda)
-        fence._later = list(later)  # type: ignore[attr-defined]
-        fence._pinned = pinned  # type: ignore[attr-defined]
-        fence._current = current_event  # type: ignore[attr-defined]
+        start = None
         if cuda and later:
-            device = later[0][1].device
-            fence._start = torch.cuda.current_stream(device).record_event()  # type: ignore[attr-defined]
-        else:
-            fence._start = None  # type: ignore[attr-defined]
-        return fence
+            start = torch.cuda.current_stream(later[0][1].device).record_event()
+        return CopyBarrier(cuda=cuda, later=later, pinned=pinned, current=current_event,
+                           start=start)
 
-    def run_deferred(self, fence: Fence) -> None:
+    def run_deferred(self, barrier: CopyBarrier) -> None:
         """Issue (CUDA) or do (CPU) the deferred copies; the background worker runs it before
-        the snapshot's background half. Never raises: an error is kept in the fence and raised
-        by :meth:`Fence.wait` (the background half reports it to the commit)."""
-        later: list[Pair] = fence._later  # type: ignore[attr-defined]
+        the snapshot's background half. Never raises: an error is kept in the barrier and raised
+        by :meth:`CopyBarrier.wait` (the background half reports it to the commit)."""
+        later = barrier.later
         t0 = time.perf_counter()
         try:
             with torch.no_grad():
-                if not fence.cuda:
+                if not barrier.cuda:
                     for dst, src in later:
                         dst.copy_(src.detach())
                 else:
                     events = []
-                    current = fence._current  # type: ignore[attr-defined]
+                    current = barrier.current
                     if later:
                         device = later[0][1].device
                         with torch.cuda.device(device):
                             side = self._stream(device)
-                            side.wait_event(fence._start)  # type: ignore[attr-defined]
+                            side.wait_event(barrier.start)
                             with torch.cuda.stream(side):
                                 for dst, src in later:
-                                    dst.copy_(src.detach(), non_blocking=fence._pinned)  # type: ignore[attr-defined]
+                                    dst.copy_(src.detach(), non_blocking=barrier.pinned)
                                     src.record_stream(side)
                                 if current is not None:
                                     side.wait_event(current)
                                 events.append(side.record_event())
                     elif current is not None:
                         events.append(current)
-                    fence.event = events[-1] if events else None
-        except BaseException as e:  # noqa: BLE001 - delivered through the fence
-            fence.error = e
+                    barrier.event = events[-1] if events else None
+        except BaseException as e:  # noqa: BLE001 - delivered through the barrier
+            barrier.error = e
         finally:
-            fence.issued.set()
-            fence._later = []  # type: ignore[attr-defined]
-        if fence.event is not None and fence.error is None:
+            barrier.issued.set()
+            barrier.later = []
+        if barrier.event is not None and barrier.error is None:
             try:
-                fence.event.synchronize()
-            except BaseException as e:  # noqa: BLE001 - delivered through the fence
-                fence.error = e
-        fence.seconds = time.perf_counter() - t0
+                barrier.event.synchronize()
+            except BaseException as e:  # noqa: BLE001 - delivered through the barrier
+                barrier.error = e
+        barrier.seconds = time.perf_counter() - t0

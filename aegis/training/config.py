@@ -18,60 +18,63 @@ __all__ = ["ManagerConfig"]
 class ManagerConfig:
     """Everything a :class:`~aegis.Manager` needs besides the state.
 
-    job: names the run; snapshots live under ``<store_dir>/<job>/``.
-    every: snapshot every ``every`` steps (``save(step)`` is a no-op otherwise), or ``"auto"``:
-        Daly's optimum interval for the measured blocking time per snapshot and ``mtbf_s``, in
-        measured steps, within ``[1, every_max]``, adapted as the measurements change (each
-        change is an ``interval`` event; see :class:`aegis.goodput.AutoInterval`).
-    mtbf_s: with ``every="auto"``: mean seconds between interruptions of the whole job (a node's
-        MTBF divided by the number of nodes).
-    every_max: with ``every="auto"``: the longest interval, in steps.
-    keep: committed snapshots kept in memory per node (plus one in flight).
-    replicas: copies of each shard pushed to other nodes (ring placement, other failure domains
-        first); 1 survives any single node loss. Capped at (nodes - 1).
-    redundancy: ``"replica"`` (whole copies, ``replicas`` of them), ``"xor"``: XOR parity over
-        groups of ``group_size`` nodes (one rank per node per group, failure domains spread),
-        surviving one lost node per group at 1 + 1/(group_size - 1) of the state in memory
-        instead of 2x, or ``"rs"``: Reed-Solomon parity (pyeclib), surviving ``parity`` lost
-        nodes per group at 1 + parity/(group_size - parity) (4+2: 1.5x instead of 3x);
-        ``replicas`` is then unused.
-    group_size: with ``redundancy="xor"`` or ``"rs"``: nodes per parity group (>= 2; groups of
-        group_size to 2 * group_size - 1 members are formed when the nodes do not divide evenly).
-    parity: with ``redundancy="rs"``: lost nodes per group it rebuilds (>= 1; group_size must
-        be at least parity + 2).
-    staging: how ``save()`` copies the state into host memory (:mod:`aegis.snapshot.staging`):
-        ``"sync"`` (default: every copy done before ``save()`` returns; device tensors into
-        pageable memory), ``"pinned"`` (own slots registered as pinned memory once per process,
-        in the background; device copies ``non_blocking`` on a side stream, waited for), or
-        ``"async"`` (like pinned, but the tensors the optimizers update are copied after
-        ``save()`` returns; the next ``optimizer.step()``, ``save()``, ``restore()`` and
-        ``close()`` wait for the copies). ``$AEGIS_STAGING`` sets the default. ``pinned`` and
-        ``async`` are opt-in until a GPU run has verified them (docs/architecture.md 3.1).
-    store_dir: node store root (a tmpfs); default ``$AEGIS_STORE_DIR`` or ``/dev/shm/aegis``.
-    timeout: bound on every snapshot collective; a peer silent for longer is declared gone.
-    chunk_bytes: checksum/compression unit of a shard.
-    events_dir: where each rank appends its JSON-lines events; default
-        ``$AEGIS_EVENTS_DIR`` or ``<store_dir>/<job>/events``.
-    rng: snapshot the python, numpy, torch (and CUDA) RNG states of every rank.
-    verbose: print one human line per snapshot and restore on rank 0.
-    debug: check at every snapshot that entries declared :func:`~aegis.replicated` are equal on
-        every rank (one all-gather of a digest per snapshot).
-    fresh: start this job over: remove its snapshots from the node stores when the Manager
-        starts (refused while the durable tier holds committed steps of the job). Without it, a
-        first ``save()`` without ``restore()`` while committed snapshots of the job exist is an
-        error, since the next restore would go back to them.
-    durable: object-store URL of the durable tier (``file:///path`` or ``s3://bucket/prefix``);
-        None disables it. Checked (bucket, credentials, write access) when the Manager starts.
-    durable_every / durable_every_s: upload the committed snapshot every N steps, or when this
-        many seconds passed since the last upload began (whichever comes first).
-    durable_keep_last / durable_keep_every: retention: the last N committed durable steps and
-        every K-th step (0: none); the newest committed step is never deleted.
-    durable_codec / durable_level: ``planes`` (zstd + byte planes for floats), ``zstd`` or
-        ``raw``; zstd level (1 by default: on byte planes of a trained model's bf16 weights it
-        stored 0.68 of raw against level 3's 0.71, encoding 1.6x as fast: ``bench/codec.py
-        --level 1`` vs ``--level 3``).
-    durable_max_pending: uploads queued behind the running one before further ones are skipped
-        (with a warning event) instead of buffering snapshots without bound.
+    Attributes:
+        job: names the run; snapshots live under ``<store_dir>/<job>/``.
+        every: snapshot every ``every`` steps (``save(step)`` is a no-op otherwise), or ``"auto"``:
+            Daly's optimum interval for the measured blocking time per snapshot and ``mtbf_s``, in
+            measured steps, within ``[1, every_max]``, adapted as the measurements change (each
+            change is an ``interval`` event; see :class:`aegis.goodput.AutoInterval`).
+        mtbf_s: with ``every="auto"``: mean seconds between interruptions of the whole job (a node's
+            MTBF divided by the number of nodes).
+        every_max: with ``every="auto"``: the longest interval, in steps.
+        keep: committed snapshots kept in memory per node (plus one in flight).
+        replicas: copies of each shard pushed to other nodes (ring placement, other failure domains
+            first); 1 survives any single node loss. Capped at (nodes - 1).
+        redundancy: ``"replica"`` (whole copies, ``replicas`` of them), ``"xor"``: XOR parity over
+            groups of ``group_size`` nodes (one rank per node per group, failure domains spread),
+            surviving one lost node per group at 1 + 1/(group_size - 1) of the state in memory
+            instead of 2x, or ``"rs"``: Reed-Solomon parity (pyeclib), surviving ``parity`` lost
+            nodes per group at 1 + parity/(group_size - parity) (4+2: 1.5x instead of 3x);
+            ``replicas`` is then unused.
+        group_size: with ``redundancy="xor"`` or ``"rs"``: nodes per parity group (>= 2; groups of
+            group_size to 2 * group_size - 1 members are formed when the nodes do not divide evenly).
+        parity: with ``redundancy="rs"``: lost nodes per group it rebuilds (>= 1; group_size must
+            be at least parity + 2).
+        staging: how ``save()`` copies the state into host memory (:mod:`aegis.snapshot.staging`):
+            ``"sync"`` (default: every copy done before ``save()`` returns; device tensors into
+            pageable memory), ``"pinned"`` (own slots registered as pinned memory once per process,
+            in the background; device copies ``non_blocking`` on a side stream, waited for), or
+            ``"async"`` (like pinned, but the tensors the optimizers update are copied after
+            ``save()`` returns; the next ``optimizer.step()``, ``save()``, ``restore()`` and
+            ``close()`` wait for the copies). ``$AEGIS_STAGING`` sets the default. ``pinned`` and
+            ``async`` are opt-in until a GPU run has verified them (docs/architecture.md 3.1).
+        store_dir: node store root (a tmpfs); default ``$AEGIS_STORE_DIR`` or ``/dev/shm/aegis``.
+        timeout: bound on every snapshot collective; a peer silent for longer is declared gone.
+        chunk_bytes: checksum/compression unit of a shard.
+        events_dir: where each rank appends its JSON-lines events; default
+            ``$AEGIS_EVENTS_DIR`` or ``<store_dir>/<job>/events``.
+        rng: snapshot the python, numpy, torch (and CUDA) RNG states of every rank.
+        verbose: print one human line per snapshot and restore on rank 0.
+        debug: check at every snapshot that entries declared :func:`~aegis.replicated` are equal on
+            every rank (one all-gather of a digest per snapshot).
+        fresh: start this job over: remove its snapshots from the node stores when the Manager
+            starts (refused while the durable tier holds committed steps of the job). Without it, a
+            first ``save()`` without ``restore()`` while committed snapshots of the job exist is an
+            error, since the next restore would go back to them.
+        durable: object-store URL of the durable tier (``file:///path`` or ``s3://bucket/prefix``);
+            None disables it. Checked (bucket, credentials, write access) when the Manager starts.
+        durable_every: upload the committed snapshot every N steps ...
+        durable_every_s: ... or when this many seconds passed since the last upload began
+            (whichever comes first).
+        durable_keep_last: retention: the last N committed durable steps ...
+        durable_keep_every: ... and every K-th step (0: none); the newest committed step is never
+            deleted.
+        durable_codec: ``planes`` (zstd + byte planes for floats), ``zstd`` or ``raw``.
+        durable_level: the zstd level (1 by default: on byte planes of a trained model's bf16 weights it
+            stored 0.68 of raw against level 3's 0.71, encoding 1.6x as fast: ``bench/codec.py
+            --level 1`` vs ``--level 3``).
+        durable_max_pending: uploads queued behind the running one before further ones are skipped
+            (with a warning event) instead of buffering snapshots without bound.
     """
 
     job: str

@@ -72,10 +72,53 @@ _PER_RANK = "per_rank"
 class Manager:
     """Snapshots the training state into host memory and restores it after a failure.
 
-    ``state`` maps names to :class:`ModelOptimizerState` or objects with
-    ``state_dict``/``load_state_dict``. Keyword arguments are :class:`ManagerConfig` fields.
-    Construction is collective (it creates aegis' own gloo group) and checks the configuration
-    and the state before any training time is spent.
+    Construction is collective: every rank of the default group builds its Manager with the same
+    job and configuration, in the same order (it creates aegis' own gloo group); it checks the
+    configuration and the state before any training time is spent. Then every rank calls
+    :meth:`restore` once before the loop, :meth:`save` after each step and :meth:`close` at the
+    end, in the same order.
+
+    Args:
+        job: names the run; snapshots live under ``<store_dir>/<job>/`` and ``<durable>/<job>/``.
+            One name per experiment (1-128 of ``[A-Za-z0-9_.-]``).
+        state: entry name -> :class:`ModelOptimizerState` (sharded through DCP), or any object
+            with ``state_dict``/``load_state_dict`` (per rank by default; LR schedulers and
+            :func:`~aegis.replicated` objects are replicated). No ``.`` in a name.
+        every: snapshot every ``every`` steps, or ``"auto"`` (Daly's interval from the measured
+            blocking time and ``mtbf_s``, within ``[1, every_max]``).
+        keep: committed snapshots kept in memory per node (plus one in flight).
+        replicas: copies of each shard pushed to other nodes (``redundancy="replica"``).
+        redundancy: ``"replica"``, ``"xor"`` (XOR parity over ``group_size`` nodes) or ``"rs"``
+            (Reed-Solomon, ``parity`` losses per group).
+        group_size: nodes per parity group (``"xor"``, ``"rs"``).
+        parity: lost nodes per group that ``"rs"`` rebuilds.
+        staging: ``"sync"``, ``"pinned"`` or ``"async"`` (how ``save`` copies device tensors);
+            default ``$AEGIS_STAGING`` or ``"sync"``.
+        store_dir: node store root (a tmpfs); default ``$AEGIS_STORE_DIR`` or ``/dev/shm/aegis``.
+        timeout: bound on every snapshot collective.
+        chunk_bytes: checksum and compression unit of a shard (default 16 MiB).
+        events_dir: where each rank appends its JSON-lines events.
+        rng: snapshot every rank's python, numpy, torch and CUDA RNG states.
+        verbose: one human line per snapshot and restore on rank 0.
+        debug: check replicated entries equal on every rank at each snapshot.
+        fresh: start the job over (its node-store snapshots are removed).
+        mtbf_s: with ``every="auto"``: mean seconds between interruptions of the whole job.
+        every_max: with ``every="auto"``: the longest interval, in steps.
+        durable: the durable tier's URL (``file:///path`` or ``s3://bucket/prefix``); None: none.
+        durable_every: upload a committed snapshot every N steps.
+        durable_every_s: ... or when this many seconds passed since the last upload began.
+        durable_keep_last: durable retention: the last N committed steps.
+        durable_keep_every: ... and every K-th step (0: none).
+        durable_codec: ``"planes"`` (zstd over byte planes), ``"zstd"`` or ``"raw"``.
+        durable_level: the zstd level.
+        durable_max_pending: uploads queued behind the running one before more are skipped.
+
+    Each is a :class:`ManagerConfig` field, documented there in full.
+
+    Raises:
+        ConfigError: a bad value, named with the fix, before any collective.
+        AegisError: the node store cannot hold ``keep + 1`` snapshots, the durable tier is not
+            reachable or writable, or the state does not fit the job's snapshots.
     """
 
     def __init__(
@@ -100,11 +143,15 @@ class Manager:
         fresh: bool = False,
         mtbf_s: float | None = None,
         every_max: int = 1000,
-        **durable: Any,
+        durable: str | None = None,
+        durable_every: int = 10,
+        durable_every_s: float | None = None,
+        durable_keep_last: int = 2,
+        durable_keep_every: int = 0,
+        durable_codec: str = "planes",
+        durable_level: int = 1,
+        durable_max_pending: int = 2,
     ) -> None:
-        unknown = [k for k in durable if not k.startswith("durable")]
-        if unknown:
-            raise TypeError(f"Manager() got unexpected keyword argument(s) {unknown}")
         extra: dict[str, Any] = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
         if staging is not None:
             extra["staging"] = staging
@@ -112,8 +159,11 @@ class Manager:
             job=job, every=every, keep=keep, replicas=replicas, redundancy=redundancy,
             group_size=group_size, parity=parity, store_dir=store_dir, timeout=timeout,
             events_dir=events_dir, rng=rng, verbose=verbose, debug=debug, fresh=fresh, mtbf_s=mtbf_s,
-            every_max=every_max,
-            **extra, **durable,
+            every_max=every_max, durable=durable, durable_every=durable_every,
+            durable_every_s=durable_every_s, durable_keep_last=durable_keep_last,
+            durable_keep_every=durable_keep_every, durable_codec=durable_codec,
+            durable_level=durable_level, durable_max_pending=durable_max_pending,
+            **extra,
         )
         # every="auto": the interval policy (pure) and what feeds it (see _auto_save).
         self._auto = (AutoInterval(float(self.config.mtbf_s or 0.0), self.config.every_max)
@@ -173,11 +223,11 @@ class Manager:
             # keep snapshots replicated rather than fail every process; at a job's start an
             # impossible layout is still an error
             parity_fallback=inprocess.in_process_round(),
+            # ModelOptimizerState entries hand back the same state dict object while its
+            # tensors are the live ones (see ModelOptimizerState.state_dict): flattened once
+            stable_entries=[(_APP, n) for n, o in self.state.items()
+                            if isinstance(o, ModelOptimizerState)],
         )
-        # ModelOptimizerState entries hand back the same state dict object while its tensors are
-        # the live ones (see ModelOptimizerState.state_dict): flattened once by the engine
-        self.engine._flat.stable = {(_APP, n) for n, o in self.state.items()
-                                    if isinstance(o, ModelOptimizerState)}
         self._existing = self._find_existing()
         # staging="async": the tensors the optimizers update are copied after save() returns;
         # each optimizer's next step waits for those copies first
@@ -425,6 +475,16 @@ class Manager:
         trusted. With ``step``: exactly that committed step (e.g. to roll back), or
         :class:`~aegis.errors.NoSnapshotError`; snapshots newer than it are then removed from the
         node stores (the job saves those step numbers again), the durable tier keeps its own.
+
+        Args:
+            step: the committed step to restore, or None for the newest complete one.
+
+        Returns:
+            The restored step, or 0 when the job has no snapshot yet.
+
+        Raises:
+            NoSnapshotError: ``step`` is not committed anywhere this job can read.
+            AegisError: snapshots exist but none can be trusted (every copy damaged).
         """
         if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 1):
             raise ConfigError(f"restore(step={step!r}): a committed step number >= 1, or None for the newest")
@@ -540,6 +600,17 @@ class Manager:
         the commit run in the background. Raises the error of the previous snapshot if it failed
         (on every rank: the commit is decided for all), and refuses a step that is not newer
         than the last one saved or restored.
+
+        Args:
+            step: the training step just completed (strictly increasing).
+
+        Returns:
+            A handle on the snapshot's background work (``wait()`` re-raises its error), or
+            None when this step is not snapshotted.
+
+        Raises:
+            StepOrderError: ``step`` is not newer than the last one saved or restored.
+            AegisError: the previous snapshot failed (on every rank alike).
         """
         self._check_open()
         inprocess.check_round()  # a peer fenced off by an NCCL abort: no snapshot of garbage
@@ -634,8 +705,8 @@ class Manager:
         """Wait until the in-flight snapshot is committed; re-raise its error. Collective."""
         return self.engine.wait()
 
-    def fence(self) -> None:
-        """``staging="async"`` only: make changes to parameters or optimizer state that do not
+    def synchronize_staging(self) -> None:
+        """``staging="async"`` only (DCP's ``AsyncStager`` has the same call): make changes to parameters or optimizer state that do not
         go through ``optimizer.step()`` safe for the snapshot still being copied. Call it before
         such an in-place change (an EMA written into the parameters, a manual clamp, loading
         weights) between ``save()`` and the next ``optimizer.step()``; the step itself does this
@@ -680,7 +751,11 @@ class Manager:
     def abort(self, *, begin: bool = True) -> None:
         """Give up without collectives: what in-process recovery calls when a peer is lost
         (``begin=True`` before it destroys the process groups, ``begin=False`` after). Not for
-        ordinary use: ``close()`` is the collective, orderly end."""
+        ordinary use: ``close()`` is the collective, orderly end.
+
+        Args:
+            begin: True before the process groups are destroyed, False after.
+        """
         self._closed = True
         self._remove_hooks()
         self.engine.abort(begin=begin)
@@ -749,7 +824,11 @@ class Manager:
             self.uploader.submit(commit)
 
     def wait_durable(self, timeout: float | None = None) -> None:
-        """Block until every queued durable upload is done; raise the last upload error."""
+        """Block until every queued durable upload is done; raise the last upload error.
+
+        Args:
+            timeout: the most seconds to wait, or None for as long as it takes.
+        """
         if self.uploader is not None:
             self.uploader.wait(timeout)
             if self.uploader.last_error is not None:

@@ -65,6 +65,15 @@ class ModelOptimizerState:
 
     ``state_dict()`` returns views of live tensors; the snapshot engine copies them before
     ``save()`` returns, so the next optimizer step cannot change a snapshot.
+
+    Args:
+        model: the model (FSDP2 ``fully_shard``-ed, or plain).
+        optimizers: its optimizer, several (one state), or None for the model alone.
+        options: DCP ``StateDictOptions`` for ``get_state_dict``/``set_state_dict`` (the default
+            gives sharded state, no CPU offload).
+
+    Raises:
+        ConfigError: ``model`` is not an ``nn.Module``.
     """
 
     def __init__(
@@ -172,7 +181,11 @@ class ModelOptimizerState:
         would copy each parameter onto itself through DTensor dispatch, whose sharding
         propagation is not yet cached after the world size changed (measured here: 0.1 s for a
         0.1M-parameter model, 2 ranks). The optimizers are always loaded (their hyperparameters
-        are plain values)."""
+        are plain values).
+
+        Args:
+            state: the state dict to load (what :meth:`state_dict` gave, filled by DCP).
+        """
         cache, self._cache = self._cache, None
         if cache is not None and self._model_loaded_in_place(cache, state["model"]):
             if self.optimizers:
@@ -240,7 +253,13 @@ class Replicated(_Wrapper):
 
 
 class PerRank(_Wrapper):
-    """An entry whose state differs by rank, with what to do when the world size changes."""
+    """An entry whose state differs by rank, with what to do when the world size changes
+    (what :func:`per_rank` returns).
+
+    Args:
+        obj: the object (``state_dict``/``load_state_dict``).
+        on_reshard: ``"error"``, ``"fresh"`` or a function (see :func:`per_rank`).
+    """
 
     def __init__(self, obj: Any, on_reshard: str | Reshard = "error") -> None:
         super().__init__(obj)
@@ -252,6 +271,7 @@ class PerRank(_Wrapper):
         self.on_reshard = on_reshard
 
     def resharder(self) -> Reshard | None:
+        """The function that computes a new rank's state from the old ranks', if any."""
         if callable(self.on_reshard):
             return self.on_reshard
         return _hook(self.obj)
@@ -265,7 +285,11 @@ def _hook(obj: Any) -> Reshard | None:
 def replicated(obj: Any) -> Replicated:
     """Declare a state entry the same on every rank (an LR scheduler, a global step counter):
     it is saved once instead of once per rank, and every rank loads that copy. With
-    ``Manager(debug=True)`` every snapshot checks that the ranks agree."""
+    ``Manager(debug=True)`` every snapshot checks that the ranks agree.
+
+    Args:
+        obj: the object (``state_dict``/``load_state_dict``).
+    """
     return Replicated(obj)
 
 
@@ -281,6 +305,13 @@ def per_rank(obj: Any, *, on_reshard: str | Reshard = "error") -> PerRank:
       :class:`~aegis.errors.PerRankStateError` naming the entry and both world sizes, before
       anything is loaded.
     * ``"fresh"``: the entry keeps the state it has now (it starts fresh), with a warning.
+
+    Args:
+        obj: the object (``state_dict``/``load_state_dict``).
+        on_reshard: what a restore into another world size does (above).
+
+    Raises:
+        ConfigError: ``on_reshard`` is none of these.
     """
     return PerRank(obj, on_reshard)
 

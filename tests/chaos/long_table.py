@@ -2,7 +2,7 @@
 redundancy scheme, the faults, invariant violations, hangs, and the median / p90 / max of the
 time to resume (fault -> first trained step after the restore; apart, for the faults that
 were restored from memory alone) and of the longest gap between two trained steps, read from the campaigns' summary JSONs. Writes ``bench/results/chaos_long.md``
-and ``chaos_long.json``, puts the table into the README between its ``chaos-long`` markers,
+and ``chaos_long.json``, puts the table into docs/guides/chaos.md between its ``chaos-long`` markers,
 and prints it.
 
     python -m tests.chaos.long_table bench/results/chaos_3x2_seed11.json ...
@@ -117,9 +117,9 @@ def main(argv: list[str]) -> int:
 
 
 def _into_readme(md: str) -> None:
-    """The table into the README, between its ``chaos-long`` markers (left alone without them):
-    the README shows what the last run measured, never an older table beside newer numbers."""
-    readme = OUT.parents[1] / "README.md"
+    """The table into the chaos guide, between its ``chaos-long`` markers (left alone without them):
+    the guide shows what the last run measured, never an older table beside newer numbers."""
+    readme = OUT.parents[1] / "docs" / "guides" / "chaos.md"  # the guide that holds the table
     begin, end = "<!-- chaos-long:begin -->\n", "<!-- chaos-long:end -->"
     text = readme.read_text() if readme.exists() else ""
     if begin in text and end in text.split(begin, 1)[1]:

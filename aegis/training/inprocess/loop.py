@@ -313,43 +313,61 @@ def run_in_process(
     on_round: Callable[[World], None] | None = None,
 ) -> Any:
     """Run ``train(world)`` on every process of the job, and again on the survivors, in the same
-    processes, whenever a peer is lost. Returns what the last call of ``train`` returned.
+    processes, whenever a peer is lost.
 
     Every process of the job calls it once, instead of ``init_process_group``; ``train`` must
     build everything that is bound to the process group (device mesh, FSDP model, optimizer,
     the aegis ``Manager``) itself. ``WORLD_SIZE`` (torchrun's) is the size of the first round;
-    later rounds have the survivors (at least ``min_world``). ``max_world``: the most processes
-    that train; more (a spare node started beside the job, or a first round bigger than it)
-    wait as *spares*, already started and connected: after a loss a spare joins the round the
-    survivors form if it finds that round before it is proposed (always below ``min_world``,
-    where the survivors wait for it instead of a replacement; after a quick detection the round
-    may form first, and then admits the spare at the survivors' next snapshot). None (the
-    default): every process that comes is taken in, at the
-    survivors' next snapshot. A peer counts as dead once its
-    heartbeat has not moved for ``dead_after_s``; then this process fences it off (gloo: its
-    connections shut down; NCCL: the communicators aborted), so a collective waiting on it ends
-    then, not at ``collective_timeout``. Each process watches two members (its successors on a
-    ring interleaved by node) and reads one death log: its store load does not grow with the
-    world (:mod:`.membership`). ``backend``: ``"gloo"`` (CPU, or CUDA tensors over
-    gloo), ``"nccl"`` or ``"cpu:gloo,cuda:nccl"`` (see :func:`check_nccl_env` for the NCCL
-    environment it checks). ``create_timeout``: the bound on creating a round's process groups
-    (the default group here, the Manager's snapshot groups in the training function): the
-    members first arrive together through the store (a member lost before then is fenced and
-    the wait ends at once), then create the group under a fifth of it (gloo waits 5x a group's
-    timeout for a pair's first connection, a wait no fence can end: a member lost between
-    publishing its address and connecting); the round then fails like any other and the next
-    one forms. Groups the training function creates itself are not bounded by it: give them
-    a timeout of their own. ``max_empty_rounds``: rounds in a row that end before the
-    training function saved anything (each is counted and logged with its cause in the
-    ``recovery`` event) before this process gives up and restarts. ``store_outage``: how long
-    a membership step (forming a round, joining, admitting) keeps reconnecting to a membership
-    store it cannot reach before this process gives up and restarts (its launcher restarts it;
-    it restores from its node store); training itself goes on while the store is away, and a
-    store restarted empty is re-seeded by the members (:mod:`.storeclient`).
+    later rounds have the survivors. A peer counts as dead once the store host's liveness
+    service saw its connection close, or its heartbeat has not moved for ``dead_after_s``; then
+    every process fences it off (gloo: its connections shut down; NCCL: the communicators
+    aborted), so a collective waiting on it ends then, not at ``collective_timeout``. Each
+    process watches two members (its successors on a ring interleaved by node) and reads one
+    death log: its store load does not grow with the world (:mod:`.membership`). It freezes the
+    garbage collector's objects of the moment (``gc.freeze``: the imports and what the script
+    made before calling it), so that the full collection at each round's teardown is quick.
 
-    It freezes the garbage collector's objects of the moment (``gc.freeze``: the imports and
-    what the script made before calling it), which no collection scans again, so that the full
-    collection at each round's teardown is quick.
+    Args:
+        train: the training function, called with the round's :class:`World`; it may be called
+            again in the same process after a failure.
+        min_world: the fewest processes a round trains with; below it the survivors wait for
+            a spare or a replacement.
+        max_world: the most processes that train; more (a spare node started beside the job, or
+            a first round bigger than it) wait as *spares*, started and connected, and step in
+            at the next loss. None: every process that comes is taken in at the survivors' next
+            snapshot.
+        max_restarts: rounds this process may re-enter ``train`` after failures before it gives
+            up (its launcher then restarts it).
+        heartbeat_s: the heartbeat interval.
+        dead_after_s: silence after which a member is declared dead (more than ``heartbeat_s``).
+        collective_timeout: the default group's timeout: the last resort when no fence ends a
+            collective.
+        form_timeout: how long forming a round may take before this process gives up.
+        create_timeout: the bound on creating a round's process groups (the default group here,
+            the Manager's snapshot groups in the training function): the members first arrive
+            together through the store, then create the group under a fifth of it (gloo waits 5x
+            a group's timeout for a pair's first connection, a wait no fence can end); the round
+            then fails like any other. Groups ``train`` creates itself need a timeout of their own.
+        max_empty_rounds: rounds in a row that end before ``train`` saved anything (each logged
+            with its cause in the ``recovery`` event) before this process gives up and restarts.
+        store_outage: how long a membership step (forming a round, joining, admitting) keeps
+            reconnecting to a membership store it cannot reach before this process gives up and
+            restarts; training goes on while the store is away, and a store restarted empty is
+            re-seeded by the members (:mod:`.storeclient`).
+        backend: ``"gloo"`` (CPU, or CUDA tensors over gloo), ``"nccl"`` or
+            ``"cpu:gloo,cuda:nccl"`` (:func:`check_nccl_env` names the NCCL environment it checks).
+        on_round: called with each round's :class:`World` before ``train`` (tests, logging).
+
+    Returns:
+        What the last call of ``train`` returned.
+
+    Raises:
+        ConfigError: a bad argument, ``AEGIS_MEMBERSHIP`` missing or malformed, or a process
+            group already initialized; before anything is started.
+        RecoveryGaveUp: recovery could not go on in this process (too few members within
+            ``form_timeout``, restarts or empty rounds spent, the store away for longer than
+            ``store_outage``); the launcher restarts the process, which restores from its node
+            store.
     """
     if min_world < 1 or dead_after_s <= heartbeat_s:
         raise ConfigError(f"run_in_process(min_world={min_world}, heartbeat_s={heartbeat_s}, "

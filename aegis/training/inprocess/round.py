@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aegis.errors import AegisError
+from aegis.training.inprocess.layout import Layout, build_mesh
 
 __all__ = [
     "World",
@@ -55,7 +56,19 @@ class PeerLost(AegisError):
 
 @dataclass
 class World:
-    """What ``train`` is called with: the current membership."""
+    """What ``train`` is called with: the current round's membership, as this process sees it.
+
+    Attributes:
+        rank: this process's rank in the round (the default group's).
+        size: the round's world size.
+        round: the round's number (0 for the first; one more per membership change).
+        node: this process's node id (``AEGIS_NODE_ID`` or the hostname).
+        members: the round's member uids ``"<node>/<local rank>/<pid>"`` in rank order.
+        restarts: rounds this process re-entered ``train`` after a failure.
+        timings: the last recovery's phases, in seconds (teardown, agree, regroup).
+        failed_at: ``time.time()`` when this process saw the last failure, or None.
+        cause: why the previous round ended, as this process saw it, or None.
+    """
 
     rank: int
     size: int
@@ -66,6 +79,57 @@ class World:
     timings: dict[str, float] = field(default_factory=dict)  # the last recovery's phases (s)
     failed_at: float | None = None  # time.time() when this process saw the last failure
     cause: str | None = None  # why the previous round ended, as this process saw it
+
+    @property
+    def layout(self) -> Layout:
+        """The round's nodes as this rank sees them (:class:`.layout.Layout`)."""
+        return Layout.of(self.members, self.rank)
+
+    @property
+    def node_index(self) -> int:
+        """This rank's node among the round's nodes (0 .. num_nodes - 1, in rank order)."""
+        return self.layout.node_index
+
+    @property
+    def num_nodes(self) -> int:
+        """The nodes with at least one rank in this round."""
+        return self.layout.num_nodes
+
+    @property
+    def local_rank(self) -> int:
+        """This rank's place among its node's ranks in this round (``LOCAL_RANK`` is where the
+        launcher started the process, e.g. its GPU; this is where the round put it)."""
+        return self.layout.local_rank
+
+    @property
+    def local_size(self) -> int:
+        """This node's ranks in this round."""
+        return self.layout.local_size
+
+    @property
+    def whole_nodes(self) -> bool:
+        """Every node of the round holds the same number of ranks, each node's contiguous."""
+        return self.layout.whole_nodes
+
+    def mesh(self, device_type: str, *, within_node: tuple[str, ...] = (), **dims: int) -> Any:
+        """The round's device mesh from named dimensions, outermost first, one of them ``-1``
+        (inferred from the world), e.g. ``world.mesh("cuda", dp_shard=-1, tp=2,
+        within_node=("tp",))`` or ``world.mesh("cpu", dp_replicate=-1, dp_shard=2)`` (HSDP).
+        Every rank of the round calls it, inside ``train(world)``.
+
+        Args:
+            device_type: ``"cpu"`` or ``"cuda"``, as for ``init_device_mesh``.
+            within_node: dimensions whose groups must not span two nodes (the innermost ones).
+            **dims: dimension name -> size, or -1 for one of them.
+
+        Returns:
+            A ``DeviceMesh`` with ``mesh_dim_names`` the names given.
+
+        Raises:
+            ConfigError: the dimensions do not divide the world, or a ``within_node``
+                dimension would span two nodes of this round; nothing was created.
+        """
+        return build_mesh(device_type, self.layout, self.size, dims, within_node)
 
 
 class Round:

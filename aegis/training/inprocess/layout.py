@@ -1,0 +1,136 @@
+"""Where a round's ranks sit on the nodes, and the device mesh a training function builds from it.
+
+A round's members are uids ``"<node>/<local rank>/<pid>"`` in rank order (:mod:`.membership`).
+:class:`Layout` reads the nodes out of them: this rank's node index and the node count, its
+local rank (its place among its node's members in this round, in rank order) and the node's
+size in this round, and whether the round is made of whole nodes (every node the same size, its
+ranks contiguous). :func:`build_mesh` makes the round's ``DeviceMesh`` from named dimensions,
+one of them inferred, as torchtitan's ``ParallelDims`` does with ``dp_shard=-1``, and refuses,
+before any group is created, a world the dimensions do not divide or a within-node dimension
+that the round's layout would stretch across two nodes.
+
+Pure functions of the member list (no store, no collective): every rank computes the same
+layout from the same list. Cost: O(world) per round, once, on each rank (the list is already
+there).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from aegis.errors import ConfigError
+
+__all__ = ["Layout", "split_uid", "infer_dims", "build_mesh"]
+
+
+def split_uid(uid: str) -> tuple[str, int]:
+    """``"<node>/<local rank>/<pid>"`` -> (node, local rank as launched)."""
+    node, local, _pid = uid.rsplit("/", 2)
+    return node, int(local)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The nodes of one round, as one rank sees them (see the module docstring)."""
+
+    rank: int
+    nodes: tuple[str, ...]  # in the order of their first rank
+    node_of_rank: tuple[int, ...]  # rank -> index into nodes
+
+    @classmethod
+    def of(cls, members: Sequence[str], rank: int) -> Layout:
+        index: dict[str, int] = {}
+        node_of: list[int] = []
+        for uid in members:
+            node = split_uid(uid)[0]
+            node_of.append(index.setdefault(node, len(index)))
+        if not 0 <= rank < len(members):
+            raise ValueError(f"rank {rank} is not in a round of {len(members)} members")
+        return cls(rank, tuple(index), tuple(node_of))
+
+    @property
+    def node_index(self) -> int:
+        return self.node_of_rank[self.rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.nodes)
+
+    def ranks_of(self, node_index: int) -> list[int]:
+        return [r for r, n in enumerate(self.node_of_rank) if n == node_index]
+
+    @property
+    def local_rank(self) -> int:
+        """This rank's place among its node's ranks in this round (rank order)."""
+        return self.ranks_of(self.node_index).index(self.rank)
+
+    @property
+    def local_size(self) -> int:
+        return self.node_of_rank.count(self.node_index)
+
+    @property
+    def whole_nodes(self) -> bool:
+        """Every node holds the same number of ranks, and each node's ranks are contiguous."""
+        sizes = {self.node_of_rank.count(n) for n in range(self.num_nodes)}
+        contiguous = all(a <= b for a, b in zip(self.node_of_rank, self.node_of_rank[1:], strict=False))
+        return len(sizes) == 1 and contiguous
+
+    def describe(self) -> str:
+        return ", ".join(f"{name}: ranks {self.ranks_of(i)}" for i, name in enumerate(self.nodes))
+
+
+def infer_dims(size: int, dims: Mapping[str, int]) -> dict[str, int]:
+    """Named mesh dimensions (outermost first) with at most one ``-1``, inferred so that their
+    product is ``size``. Raises ConfigError naming the dimensions and the world."""
+    if not dims:
+        raise ConfigError("a device mesh needs at least one named dimension, e.g. dp_shard=-1")
+    bad = {k: v for k, v in dims.items() if v == 0 or v < -1}
+    if bad:
+        raise ConfigError(f"mesh dimensions {bad}: each must be a positive size, or -1 (one of "
+                          "them) for 'whatever the world leaves'")
+    free = [k for k, v in dims.items() if v == -1]
+    if len(free) > 1:
+        raise ConfigError(f"mesh dimensions {dict(dims)}: at most one can be -1 (inferred), got "
+                          f"{free}")
+    fixed = math.prod(v for v in dims.values() if v != -1)
+    if free:
+        if size % fixed:
+            raise ConfigError(
+                f"a world of {size} rank(s) does not divide into the mesh {dict(dims)}: "
+                f"{size} is not a multiple of {fixed} (the product of the fixed dimensions). "
+                "Make the fixed sizes divide every world the job can shrink to, or rebuild "
+                "the parallelism from the world size in train(world)")
+        return {k: (size // fixed if v == -1 else v) for k, v in dims.items()}
+    if fixed != size:
+        raise ConfigError(f"mesh {dict(dims)} holds {fixed} rank(s), the world has {size}: give "
+                          "one dimension as -1 to fit whatever world the round has")
+    return dict(dims)
+
+
+def build_mesh(device_type: str, layout: Layout, size: int, dims: Mapping[str, int],
+               within_node: Sequence[str] = ()) -> Any:
+    """``init_device_mesh(device_type, shape, mesh_dim_names=names)`` for the round, on the
+    round's default group. ``within_node``: dimensions whose groups must not span two nodes
+    (tensor parallel over NVLink): they must be the innermost ones, and the round must be made
+    of whole nodes whose size is a multiple of their product. Every rank of the round calls it."""
+    shape = infer_dims(size, dims)
+    names = list(shape)
+    inner = list(within_node)
+    unknown = [d for d in inner if d not in shape]
+    if unknown:
+        raise ConfigError(f"within_node names {unknown}, not dimensions of the mesh {names}")
+    if inner and names[-len(inner):] != sorted(inner, key=names.index):
+        raise ConfigError(f"within_node dimensions {inner} must be the innermost of the mesh "
+                          f"{names} (a group of an inner dimension is consecutive ranks)")
+    span = math.prod(shape[d] for d in inner)
+    if inner and (not layout.whole_nodes or layout.local_size % span):
+        raise ConfigError(
+            f"the mesh {shape} keeps {inner} within a node ({span} rank(s) a group), but this "
+            f"round's nodes are {layout.describe()}: a group would span two nodes. Run with "
+            "whole-node rounds, or leave within_node out to allow it")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, tuple(shape.values()), mesh_dim_names=tuple(names))
