@@ -67,7 +67,7 @@ chaos-rs6: venv
 	$(BIN)/python -m tests.chaos.campaign --seed $(CHAOS_SEED) --faults $(CHAOS_FAULTS) --in-process --topology 6x1 --redundancy rs --kinds $(CHAOS_MIX) --workdir /tmp/aegis-chaos-rs6-$(CHAOS_SEED) --out bench/results/chaos_rs6_seed$(CHAOS_SEED).json
 
 # Issue 25's campaigns (~55 min here): 228 faults over 9 seeds and the three schemes, 2-rank nodes
-# for replica and XOR, the store faults and worker kills in the mix; then the README table and
+# for replica and XOR, the store faults and worker kills in the mix; then the chaos guide's table (docs/guides/chaos.md) and
 # each campaign's phase breakdown (tests.chaos.phases: <result>.phases.{md,json}).
 LONG := bench/results/chaos_3x2_seed11.json bench/results/chaos_xor_3x2_seed13.json \
 	bench/results/chaos_rs6_seed14.json bench/results/chaos_3x2_seed12.json \

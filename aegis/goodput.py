@@ -690,7 +690,7 @@ def fit_loglog(x: Sequence[float], y: Sequence[float]) -> tuple[float, float] | 
 def larger_half(x: Sequence[float], y: Sequence[float]) -> tuple[list[float], list[float]]:
     """The points of the larger half of the sizes (at least 3): what a projection extrapolates
     from (the smallest worlds' times are a heartbeat's phase, near zero, and would set the
-    slope). ``bench/scale.py``'s README projection and :func:`scale_costs` both fit these."""
+    slope). ``bench/scale.py``'s projection (docs/guides/benchmarks.md) and :func:`scale_costs` both fit these."""
     keep = sorted(range(len(x)), key=lambda i: x[i])[max(0, min(len(x) - 3, len(x) // 2)):]
     return [x[i] for i in keep], [y[i] for i in keep]
 

@@ -25,7 +25,7 @@ sections the file holds):
 
 Adding a section: a function ``section_<name>(args) -> dict`` with the keys of
 :func:`section_membership`'s result (``series`` drive the plot and the projection, ``table`` and
-``notes`` the README), registered in ``SECTIONS``.
+``notes`` the benchmarks guide), registered in ``SECTIONS``.
 
     .venv/bin/python bench/scale.py --sections membership            # sizes 8 ... 4096
     .venv/bin/python bench/scale.py --sections membership --sizes 8,64,512
@@ -836,7 +836,7 @@ REBUILD: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
 }
 
 
-# == fits, plot, README ===========================================================================
+# == fits, plot, guide block =======================================================================
 
 def growth(b: float) -> str:
     for exp, name in ((0, "O(1)"), (1, "O(world)"), (2, "O(world^2)")):
@@ -871,7 +871,7 @@ def projections(doc: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def render(doc: dict[str, Any], out: Path = OUT) -> None:
-    """The plot (``out`` with .png) and, for the committed results, the README block, from every
+    """The plot (``out`` with .png) and, for the committed results, the benchmarks guide's block, from every
     section in ``doc``."""
     png = out.with_suffix(".png")
     panels: dict[str, list[dict[str, Any]]] = {}

@@ -538,15 +538,21 @@ def write_digest(path: str, phase: str, step: int, *parts: Any) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def last_step(args: argparse.Namespace) -> int:
-    """``--steps``, or the step in ``--end-file`` where a harness gave one."""
+def last_step(args: argparse.Namespace, device: torch.device) -> int:
+    """``--steps``, or the step in ``--end-file`` where a harness gave one. Collective with an
+    end file: the ranks take the smallest value any of them read (one all-reduce of an integer
+    per step), so they stop at the same step even when the harness replaces the file while
+    some have read it and others not (the value only ever goes down, once)."""
     if not args.end_file:
         return int(args.steps)
     try:
         with open(args.end_file) as f:
-            return int(f.read())
+            n = int(f.read())
     except (OSError, ValueError):
-        return int(args.steps)
+        n = int(args.steps)
+    t = torch.tensor([n], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -608,8 +614,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="a file holding the last step, read before every step; it overrides "
                         "--steps (a test harness ends the run at an event it waits for, e.g. a "
                         "replacement's join, not after a count of steps; the LR schedule still "
-                        "spans --steps). Written by os.replace, only ever to a step no rank has "
-                        "reached")
+                        "spans --steps). The ranks agree on the smallest value read (one "
+                        "all-reduce of an integer a step)")
     args = p.parse_args(argv)
     if args.steps < 0 or args.batch_size < 1 or args.every < 1:
         p.error("--steps must be >= 0, --batch-size and --every >= 1")
@@ -753,7 +759,7 @@ def _train(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> 
         model.train()
         loss = float("nan")
         step = start
-        while step < last_step(args):
+        while step < last_step(args, device):
             step += 1
             t0 = time.perf_counter()
             indices = sampler.local_indices(sampler.next_global_batch())

@@ -178,7 +178,6 @@ def test_inspect_shows_the_manifest_and_every_entry(snaps: Snaps, capsys: pytest
     assert code == 0 and "app.model.model.head.weight" in out and "norm" in out
 
 
-@pytest.mark.quick
 def test_objects_are_unpickled_only_when_asked(snaps: Snaps, capsys: pytest.CaptureFixture[str],
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     real_load = torch.load
@@ -204,7 +203,6 @@ def test_objects_are_unpickled_only_when_asked(snaps: Snaps, capsys: pytest.Capt
 # -- verify --------------------------------------------------------------------------------------
 
 
-@pytest.mark.quick
 def test_verify_passes_on_intact_snapshots(snaps: Snaps, capsys: pytest.CaptureFixture[str],
                                            s3_env: dict[str, str]) -> None:
     for uri, steps in ((str(snaps.node), [4, 5, 6]), (snaps.file_url, [4, 6]), (snaps.s3_url, [2, 4])):

@@ -71,7 +71,6 @@ def test_inspect_shows_which_entries_are_per_rank(node: Path, capsys: pytest.Cap
     assert "data (per-rank), model (sharded), sched (replicated)" in out
 
 
-@pytest.mark.quick
 def test_export_keeps_the_per_rank_entries(node: Path, tmp_path: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     from safetensors import safe_open
@@ -98,7 +97,6 @@ def _flip(path: Path, offset: int) -> None:
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.quick
 def test_verify_reads_the_shards_own_index(node: Path, tmp_path: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     copy = tmp_path / "idx"
@@ -113,7 +111,6 @@ def test_verify_reads_the_shards_own_index(node: Path, tmp_path: Path,
     assert (f["step"], f["rank"]) == (2, 1) and "index" in f["error"], f
 
 
-@pytest.mark.quick
 def test_verify_names_a_manifest_edited_after_it_was_written(node: Path, tmp_path: Path,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     copy = tmp_path / "man"

@@ -88,6 +88,13 @@ def test_a_within_node_dimension_is_refused_on_a_partial_node_before_any_group()
     w = World(rank=0, size=5, round=1, node="node-0", members=members)
     with pytest.raises(ConfigError, match=r"a world of 5 rank\(s\) does not divide"):
         w.mesh("cpu", dp_shard=-1, tp=2, within_node=("tp",))
+    # 4 ranks divide (2, 2), but nodes of 2, 1 and 1 ranks are not whole: a tp group would
+    # pair node-1's rank with node-2's
+    partial = World(rank=0, size=4, round=1, node="node-0",
+                    members=_members(("node-0", [0, 1]), ("node-1", [0]), ("node-2", [1])))
+    with pytest.raises(ConfigError, match="a group would span two nodes"):
+        partial.mesh("cpu", dp_shard=-1, tp=2, within_node=("tp",))
+    # whole nodes, but ranks interleaved across them
     w4 = World(rank=0, size=4, round=1, node="node-0", members=["a/0/1", "b/0/2", "a/1/3", "b/1/4"])
     with pytest.raises(ConfigError, match="a group would span two nodes"):
         w4.mesh("cpu", dp_shard=-1, tp=2, within_node=("tp",))

@@ -217,7 +217,6 @@ def _flip(path: Path, offset: int) -> None:
         f.write(bytes([b[0] ^ 0x01]))
 
 
-@pytest.mark.quick
 def test_a_damaged_copy_is_read_around_and_named(job: Job, tmp_path: Path) -> None:
     dump = torch.load(job.out / "read-file.pt")
     copy = tmp_path / "store"
@@ -253,7 +252,6 @@ def test_a_damaged_copy_is_read_around_and_named(job: Job, tmp_path: Path) -> No
         assert_model_is(model, dump)
 
 
-@pytest.mark.quick
 def test_clear_errors_for_a_missing_step_and_a_wrong_uri(job: Job, tmp_path: Path) -> None:
     with aegis.open(job.store / "read-file") as src, \
             pytest.raises(NoSnapshotError, match=r"step 9 is not committed in .* \(committed: 3, 4\)"):

@@ -283,7 +283,6 @@ def _differs(saved: dict[str, str], got: dict[str, str]) -> list[str]:
     return sorted(k for k in set(saved) | set(got) if saved.get(k) != got.get(k))
 
 
-@pytest.mark.quick
 def test_both_backends_load_the_same_values(contract: dict[str, Any]) -> None:
     for rank, (saved, loaded) in enumerate(zip(contract["saved"], contract["loaded"], strict=True)):
         assert len(_differs(saved, loaded["fresh"])) > 10, "the fresh job must start elsewhere"
@@ -292,14 +291,12 @@ def test_both_backends_load_the_same_values(contract: dict[str, Any]) -> None:
         assert _differs(saved, loaded["titan"]) == [], f"rank {rank}: torchtitan DCP"
 
 
-@pytest.mark.quick
 def test_torchtitan_resumes_an_aegis_export(contract: dict[str, Any]) -> None:
     for rank, (saved, loaded) in enumerate(zip(contract["saved"], contract["loaded"], strict=True)):
         assert loaded["export_loaded"]
         assert _differs(saved, loaded["export"]) == [], f"rank {rank}"
 
 
-@pytest.mark.quick
 def test_torchtitan_checkpoint_seeds_an_aegis_job(contract: dict[str, Any]) -> None:
     for rank, (saved, loaded) in enumerate(zip(contract["saved"], contract["loaded"], strict=True)):
         assert loaded["seed_loaded"] and loaded["seed_saved"]

@@ -162,9 +162,10 @@ def test_the_agent_declares_its_dead_worker_so_the_survivors_do_not_wait_for_sil
     formed = min(e["time"] for e in result.events
                  if e["event"] == "recovery" and e["time"] > k.t_kill)
     print(f"next round formed {formed - k.t_kill:.1f} s after the kill")
-    # declared by silence, it would be 8 s (dead_after_s) after the kill at the earliest: a
-    # round formed sooner was formed on a declaration (a liveness bound, not a speed claim)
-    assert formed - k.t_kill < 8.0, formed - k.t_kill
+    # declared by silence, it would be dead_after_s (8 s) after the last beat, which can be a
+    # beat (0.2 s) before the kill: 7.8 s at the earliest. A round formed within 7 s was formed
+    # on a declaration (a liveness bound with 1 s to spare, not a speed claim)
+    assert formed - k.t_kill < 7.0, formed - k.t_kill
 
 
 @pytest.mark.timeout(420)
@@ -186,6 +187,7 @@ def test_a_killed_node_is_declared_by_the_store_host_so_the_survivors_do_not_wai
     formed = min(e["time"] for e in result.events
                  if e["event"] == "recovery" and e["time"] > k.t_kill)
     print(f"next round formed {formed - k.t_kill:.1f} s after the kill")
-    # declared by silence, it would be 8 s (dead_after_s) after the kill at the earliest: a
-    # round formed sooner was formed on a declaration (a liveness bound, not a speed claim)
-    assert formed - k.t_kill < 8.0, formed - k.t_kill
+    # declared by silence, it would be dead_after_s (8 s) after the last beat, which can be a
+    # beat (0.2 s) before the kill: 7.8 s at the earliest. A round formed within 7 s was formed
+    # on a declaration (a liveness bound with 1 s to spare, not a speed claim)
+    assert formed - k.t_kill < 7.0, formed - k.t_kill

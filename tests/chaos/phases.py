@@ -93,8 +93,9 @@ def fault_phases(rec: dict[str, Any], events: list[dict[str, Any]], losses: list
         "manager_start": started["time"] - last["time"] if started else nan,
         "restore": restored["seconds"] if restored else nan,
         "first_step": step["time"] - restored["time"] if step and restored else nan,
-        "step_time": step.get("step_time", nan) if step else nan,
-        "save_time": step.get("save_time", nan) if step else nan,
+        # (without a restore there is no first step after it: no step's timings either)
+        "step_time": step.get("step_time", nan) if step and restored else nan,
+        "save_time": step.get("save_time", nan) if step and restored else nan,
         "resume": rec["resume_s"],
         "resume_second": nan,
         "cpu_steady": _busy(cpu, t0 - 5.0, t0),
