@@ -111,6 +111,9 @@ class StoreFault:
 
 # torchelastic's warning for a keep-alive its rendezvous handler could not write to the store
 KEEP_ALIVE_FAILED = "has failed to send a keep-alive heartbeat"
+# aegis.launch's lines when its rendezvous store goes away and when its client reconnects
+STORE_AWAY = "the rendezvous store is unreachable"
+STORE_BACK = "the rendezvous store is back"
 
 
 @dataclass
@@ -195,8 +198,13 @@ class Scenario:
         # in the trainer's --end-file, stays out of reach until every replacement restored
         # (or JOIN_WAIT_S passed), then becomes a few steps past the newest one logged.
         joiners = self.in_process and any(self._expects_joiner(k) for k in kills)
+        # the same for a store restart: the check reads each agent's reconnect (tried every
+        # RECONNECT_S) after it, so the run lasts until every agent that lost the store has it
+        # back (48 steps had ended first once steps got quicker: a count of steps again)
+        restarts = any(isinstance(k, StoreFault) and k.kind == "restart" for k in self.kills)
+        hold = joiners or restarts
         end_file = work / "end_step"
-        write_end(end_file, self.steps + HOLD_STEPS if joiners else self.steps)
+        write_end(end_file, self.steps + HOLD_STEPS if hold else self.steps)
         cluster = SimCluster(
             work,
             [TRAINER, "--config", self.config, "--steps", str(self.steps), "--dropout", "0.1",
@@ -246,9 +254,9 @@ class Scenario:
                     t_detect = wait_exited(old, max(deadline - time.monotonic(), 1))
                     committed = self._committed(cluster, survivors)
                 records.append(KillRecord(node, t_kill, t_detect, committed, trigger))
-            if joiners:
+            if hold:
                 self.last_step = self._release_end(cluster, records, added, loss_log, end_file,
-                                                   deadline)
+                                                   deadline, restarts)
             if self.in_process:
                 # a lost node's agent never reaches torchrun's exit barrier: the survivors'
                 # agents wait there (see SimCluster.wait_workers); the job is over when the
@@ -273,16 +281,18 @@ class Scenario:
         return k.replace
 
     def _release_end(self, cluster: SimCluster, records: list[KillRecord], added: list[str],
-                     loss_log: Path, end_file: Path, deadline: float) -> int:
+                     loss_log: Path, end_file: Path, deadline: float, store_restart: bool) -> int:
         """Wait until every replacement (a worker's new process, a new node's workers) restored
-        a snapshot, at most JOIN_WAIT_S after the last loss (a joiner that never comes fails
-        the checks, not the harness), then end the run a few steps on."""
+        a snapshot and, after a store restart, every agent that found the store unreachable has
+        reconnected, at most JOIN_WAIT_S after the last fault (what never comes fails the
+        checks, not the harness), then end the run a few steps on."""
         pids = {k.replacement for k in records if k.worker is not None and k.replacement}
         until = min(deadline, time.monotonic() + JOIN_WAIT_S)
         while time.monotonic() < until:
             joined = {(e["_node"], e["_pid"]) for e in read_events(cluster.workdir)
                       if e["event"] == "restore" and e.get("found")}
-            if pids <= {p for _, p in joined} and set(added) <= {n for n, _ in joined}:
+            if (pids <= {p for _, p in joined} and set(added) <= {n for n, _ in joined}
+                    and (not store_restart or _agents_reconnected(cluster))):
                 break
             if not cluster.alive_nodes():
                 break
@@ -422,9 +432,9 @@ class Scenario:
             # broken-pipe traceback every second for the rest of the job)
             broke = {p.stem: p.read_text(errors="replace") for p in sorted(r.workdir.glob("node-*.log"))}
             broke = {n: t for n, t in broke.items()  # the nodes still in the job at its end
-                     if n in r.codes and "the rendezvous store is unreachable" in t}
-            after = {n: t.rsplit("the rendezvous store is back", 1)[1].count(KEEP_ALIVE_FAILED)
-                     if "the rendezvous store is back" in t else None for n, t in broke.items()}
+                     if n in r.codes and STORE_AWAY in t}
+            after = {n: t.rsplit(STORE_BACK, 1)[1].count(KEEP_ALIVE_FAILED)
+                     if STORE_BACK in t else None for n, t in broke.items()}
             r.checks.append((
                 f"after the store's restart each agent's rendezvous client reconnected, and its "
                 f"keep-alive stopped failing (failed keep-alives after it, by node: {after})",
@@ -506,6 +516,19 @@ def write_end(path: Path, step: int) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(str(step))
     os.replace(tmp, path)
+
+
+def _agents_reconnected(cluster: SimCluster) -> bool:
+    """Every running agent logged that the rendezvous store was unreachable (each asks at every
+    monitor interval) and, after that, that its client reconnected."""
+    for n in cluster.alive_nodes():
+        try:
+            text = cluster.nodes[n].log.read_text(errors="replace")
+        except OSError:
+            return False
+        if STORE_AWAY not in text or STORE_BACK not in text.rsplit(STORE_AWAY, 1)[1]:
+            return False
+    return True
 
 
 def _worker_failed(log: Path) -> bool:
