@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nodes", type=int, default=3)
     ap.add_argument("--steps", type=int, default=None,
-                    help="default 40; in-process 70 (time for the replacement to start and join)")
+                    help="default 40; in-process 70, the fewest: the job trains on until the "
+                         "replacement joined, then a few steps more")
     ap.add_argument("--kill-after", type=int, default=15, help="kill once this step is logged")
     ap.add_argument("--kill", default="node-1", help="which node to lose")
     ap.add_argument("--shrink", action="store_true", help="--restart: no replacement node: the world shrinks")
