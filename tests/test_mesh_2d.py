@@ -18,7 +18,7 @@ from torch import nn
 
 from aegis import Manager, ModelOptimizerState
 from tests.dist_utils import run_ranks
-from tests.models import Tiny
+from tests.models import Tiny, train_step  # one batch per data-parallel rank: rank=dp_rank
 from tests.test_manager import _tensors
 
 JOB = "mesh2d"
@@ -59,18 +59,6 @@ def _build(layout: str, world: int, seed: int = 0) -> tuple[nn.Module, Any, Any,
     return model, opt, sched, dp_rank
 
 
-def _step(model: nn.Module, opt: Any, sched: Any, step: int, dp_rank: int) -> float:
-    g = torch.Generator().manual_seed(1000 * step + dp_rank)  # one batch per data-parallel rank
-    x = torch.randint(0, 128, (4, 16), generator=g)
-    logits = model(x)
-    loss = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 128), x[:, 1:].reshape(-1))
-    loss.backward()
-    opt.step()
-    sched.step()
-    opt.zero_grad(set_to_none=True)
-    return float(loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach())
-
-
 def _full(model: nn.Module, opt: Any) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
@@ -90,11 +78,11 @@ def _save(rank: int, world: int, root: str, layout: str) -> dict[str, Any]:
     mgr = _manager(root, rank, model, opt, sched)
     mgr.restore()
     for step in (1, 2, 3):
-        _step(model, opt, sched, step, dp)
+        train_step(model, opt, sched, step, dp)
         mgr.save(step)
     mgr.close()
     full = _full(model, opt)
-    after = _step(model, opt, sched, 4, dp)  # the uninterrupted job's next step
+    after = train_step(model, opt, sched, 4, dp)  # the uninterrupted job's next step
     return {"full": full, "loss4": after}
 
 
@@ -105,7 +93,7 @@ def _restore(rank: int, world: int, root: str, layout: str) -> dict[str, Any]:
     tiers = sorted({s["tier"] for s in mgr.last_restore.sources}) if mgr.last_restore else []
     mgr.close()
     full = _full(model, opt)
-    return {"step": step, "full": full, "tiers": tiers, "loss4": _step(model, opt, sched, 4, dp)}
+    return {"step": step, "full": full, "tiers": tiers, "loss4": train_step(model, opt, sched, 4, dp)}
 
 
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
