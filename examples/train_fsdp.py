@@ -158,17 +158,29 @@ def build_model(
     seed: int = 0,
     dropout: float | None = None,
     mesh: Any = None,
+    tp_mesh: Any = None,
 ) -> TinyGPT:
     """Build ``TinyGPT`` with a deterministic init (seeded here, identical on every rank).
 
-    With ``mesh`` (a 1-D DeviceMesh) each block and then the root are wrapped with FSDP2
-    ``fully_shard``; parameters move to the mesh's device type.
+    With ``mesh`` (the data-parallel DeviceMesh: 1-D FSDP, or 2-D ``(dp_replicate, dp_shard)``
+    for HSDP) each block and then the root are wrapped with FSDP2 ``fully_shard``; parameters
+    move to the mesh's device type. With ``tp_mesh`` each block's MLP is tensor parallel first
+    (``fc`` column-wise, ``proj`` row-wise; attention stays whole on every TP rank).
     """
     cfg = CONFIGS[config] if isinstance(config, str) else config
     if dropout is not None:
         cfg = dataclasses.replace(cfg, dropout=dropout)
     torch.manual_seed(seed)
     model = TinyGPT(cfg)
+    if tp_mesh is not None:
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        for block in model.blocks:
+            parallelize_module(block.mlp, tp_mesh, {"fc": ColwiseParallel(), "proj": RowwiseParallel()})
     if mesh is not None:
         from torch.distributed.fsdp import fully_shard
 
@@ -454,9 +466,11 @@ def _local_parts(local: dict[str, Any]) -> list[tuple[str, str, Any]]:
     from torch.distributed.tensor import DTensor, Shard
 
     parts: list[tuple[str, str, Any]] = []
+    world = dist.get_world_size()
     for name, t in local.items():
         if isinstance(t, DTensor):
-            if len(t.placements) != 1:  # a 2-D mesh: the general (slower) way
+            if len(t.placements) != 1 or t.device_mesh.size() != world:
+                # a 2-D mesh, or one dimension of one (FSDP beside TP): the general (slower) way
                 parts.append((name, "first", _raw(t.full_tensor())))
             elif isinstance(t.placements[0], Shard):
                 dim = t.placements[0].dim
@@ -595,6 +609,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--in-process", action="store_true",
                    help="recover in place: survivors of a lost peer re-form their groups and go on "
                         "in the same processes (aegis.run_in_process; needs AEGIS_MEMBERSHIP)")
+    p.add_argument("--mesh", choices=("fsdp", "hsdp", "tp"), default="fsdp",
+                   help="fsdp: 1-D FSDP; hsdp: replicate across nodes x shard within one; tp: "
+                        "FSDP across nodes x tensor parallel (the MLPs) within one")
+    p.add_argument("--inner", type=int, default=None,
+                   help="hsdp/tp: the within-node dimension (default LOCAL_WORLD_SIZE)")
+    p.add_argument("--whole-nodes", action="store_true",
+                   help="--in-process: rounds of whole nodes (always with --mesh hsdp/tp)")
     p.add_argument("--min-world", type=int, default=1, help="--in-process: smallest world to go on with")
     p.add_argument("--max-world", type=int, default=None,
                    help="--in-process: the most processes that train; more wait as spares and "
@@ -666,13 +687,16 @@ def _run_in_process(args: argparse.Namespace) -> int:
             phases = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in w.timings.items())
             print(f"[train_fsdp] in-process recovery: round {w.round}, world {w.size} ({phases})",
                   flush=True)
-        rc = _train(args, w.rank, w.size, local_rank)
+        rc = _train(args, w.rank, w.size, local_rank, w)
         dist.barrier()  # leave together (see main)
         return rc
 
+    # a 2-D mesh keeps its inner dimension within a node: rounds of whole nodes only
+    whole = args.whole_nodes or args.mesh != "fsdp"
     rc = aegis.run_in_process(
         train, min_world=args.min_world, max_world=args.max_world, dead_after_s=args.dead_after,
         collective_timeout=timedelta(seconds=args.pg_timeout or 30),
+        ranks_per_node=_local_world() if whole else None,
     )
     if rc is None:  # started (or came back) after the job had finished
         print("[train_fsdp] the job finished before this process could join it", flush=True)
@@ -680,15 +704,46 @@ def _run_in_process(args: argparse.Namespace) -> int:
     return int(rc)
 
 
-def _train(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> int:
+def _local_world() -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def build_meshes(args: argparse.Namespace, world: int, w: Any = None) -> tuple[Any, Any, int, int]:
+    """``--mesh``: (the data-parallel mesh FSDP shards over, the TP mesh or None, this rank's
+    data-parallel rank, the data-parallel size). HSDP replicates across nodes and shards within
+    one (``dp_shard`` = ``--inner``); TP runs within a node (``tp`` = ``--inner``) and FSDP
+    across. In place (``w``, the round's ``aegis.World``), the mesh comes from ``w.mesh``."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    rank = dist.get_rank()
+    if args.mesh == "fsdp":
+        return init_device_mesh(args.device, (world,)), None, rank, world
+    inner = args.inner or _local_world()
+    dims = {"dp_replicate": -1, "dp_shard": inner} if args.mesh == "hsdp" else \
+        {"dp_shard": -1, "tp": inner}
+    if w is not None:
+        mesh = w.mesh(args.device, within_node=tuple(dims)[-1:], **dims)
+    else:
+        from aegis.training.inprocess.layout import infer_dims
+
+        shape = infer_dims(world, dims)  # a clear error for a world the mesh does not fit
+        mesh = init_device_mesh(args.device, tuple(shape.values()), mesh_dim_names=tuple(shape))
+    if args.mesh == "hsdp":
+        return mesh, None, rank, world
+    dp = mesh["dp_shard"]
+    return dp, mesh["tp"], dp.get_local_rank(), dp.size()
+
+
+def _train(args: argparse.Namespace, rank: int, world: int, local_rank: int, w: Any = None) -> int:
     device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device("cpu")
-    mesh = init_device_mesh(args.device, (world,))
-    model = build_model(args.config, seed=args.seed, dropout=args.dropout, mesh=mesh)
+    mesh, tp_mesh, dp_rank, dp_size = build_meshes(args, world, w)
+    model = build_model(args.config, seed=args.seed, dropout=args.dropout, mesh=mesh,
+                        tp_mesh=tp_mesh)
     cfg = model.cfg
-    # Distinct (but seed-determined) RNG stream per rank for dropout; aegis checkpoints it.
-    torch.manual_seed(args.seed + 1 + rank)
+    # Distinct (but seed-determined) RNG stream per data-parallel rank for dropout; aegis
+    # checkpoints it. The ranks of one TP group share theirs: they compute the replicated parts
+    # (attention here) each, and different dropout masks would make those copies drift apart.
+    torch.manual_seed(args.seed + 1 + dp_rank)
     optimizer, scheduler = build_optimizer_and_scheduler(
         model,
         lr=args.lr if args.lr is not None else cfg.lr,
@@ -697,11 +752,12 @@ def _train(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> 
     )
     data = SyntheticTokens(cfg.vocab_size, cfg.seq_len, seed=args.seed)
     sampler_cls = PerRankStream if args.sampler == "per-rank" else ResumableSampler
-    sampler = sampler_cls(args.batch_size, world_size=world, rank=rank, seed=args.seed)
+    # a batch per data-parallel rank (TP ranks of one group read the same one)
+    sampler = sampler_cls(args.batch_size, world_size=dp_size, rank=dp_rank, seed=args.seed)
     if rank == 0:
         print(
             f"[train_fsdp] config={args.config} params={count_params(model):,} world={world} "
-            f"device={args.device} batch={args.batch_size}x{world} seq={cfg.seq_len} "
+            f"mesh={args.mesh} device={args.device} batch={args.batch_size}x{dp_size} seq={cfg.seq_len} "
             f"aegis={'off' if args.no_aegis else 'on'}",
             flush=True,
         )

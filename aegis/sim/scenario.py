@@ -174,6 +174,9 @@ class Scenario:
     nproc_per_node: int = 1  # ranks per node, sharing the node's store
     # run the agents with aegis.launch and this policy (None: torchrun)
     on_worker_failure: str | None = None
+    # in place, rounds of whole nodes (the trainer's --mesh hsdp/tp, --whole-nodes): checked
+    # as an invariant of every round
+    whole_nodes: bool = False
     # the run's last step, once the harness moved it (see run)
     last_step: int | None = field(default=None, init=False)
 
@@ -439,6 +442,14 @@ class Scenario:
                 f"after the store's restart each agent's rendezvous client reconnected, and its "
                 f"keep-alive stopped failing (failed keep-alives after it, by node: {after})",
                 all(v is not None and v <= 2 for v in after.values())))
+        if self.whole_nodes:
+            rounds = [e for e in r.events if e["event"] == "recovery"]
+            worlds = sorted({x["world"] for x in r.losses})
+            r.checks.append((
+                f"every round was made of whole nodes of {self.nproc_per_node} (worlds {worlds}; "
+                f"{len(rounds)} recovery events, whole: {sorted({e.get('whole_nodes') for e in rounds}, key=str)})",
+                all(e.get("whole_nodes") is True for e in rounds)
+                and all(w % self.nproc_per_node == 0 for w in worlds)))
         for i, k in enumerate(r.kills):
             # the state saved at each step by the run that was interrupted (latest before the kill)
             saved = {d["step"]: d["digest"] for d in r.digests

@@ -16,20 +16,95 @@ there).
 
 from __future__ import annotations
 
+import contextlib
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from aegis.errors import ConfigError
 
-__all__ = ["Layout", "split_uid", "infer_dims", "build_mesh"]
+__all__ = ["Layout", "split_uid", "uid_order", "whole_nodes", "whole_node_vote", "infer_dims",
+           "build_mesh"]
 
 
 def split_uid(uid: str) -> tuple[str, int]:
     """``"<node>/<local rank>/<pid>"`` -> (node, local rank as launched)."""
     node, local, _pid = uid.rsplit("/", 2)
     return node, int(local)
+
+
+def _natural(text: str) -> tuple[Any, ...]:
+    """``"node-10"`` after ``"node-9"``: digit runs compare as numbers."""
+    return tuple((0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", text) if t)
+
+
+def uid_order(uid: str) -> tuple[Any, ...]:
+    """The order of processes new to a round: by node (digit runs as numbers), then local rank
+    as a number (``node-3/0`` before ``node-3/1``, ``/2`` before ``/10``), then pid."""
+    parts = uid.rsplit("/", 2)
+    if len(parts) != 3 or not parts[1].isdigit():
+        return (_natural(uid), -1, "")
+    return (_natural(parts[0]), int(parts[1]), parts[2])
+
+
+def whole_nodes(uids: Sequence[str], per_node: int,
+                first: Sequence[str] = ()) -> tuple[list[str], list[str]]:
+    """A whole-node round from the processes that joined it: ``(kept, left)``. ``kept``: the
+    processes of every node whose local ranks ``0 .. per_node - 1`` are all there, each node's
+    contiguous and in local-rank order; nodes in the order of their first process in ``first``
+    (the previous round: survivors keep their ranks where they can), then the others in
+    :func:`uid_order`. ``left``: the rest (a node missing a worker; a local rank ``>= per_node``;
+    a second process for a local rank, the one of ``first`` or the first in order staying).
+    O(n log n) in the processes, on the proposer only."""
+    where = {u: k for k, u in enumerate(first)}
+    nodes: dict[str, dict[int, str]] = {}
+    left: list[str] = []
+    for u in sorted(uids, key=lambda u: (where.get(u, len(where)), uid_order(u))):
+        try:
+            node, local = split_uid(u)
+        except ValueError:
+            left.append(u)
+            continue
+        slots = nodes.setdefault(node, {})
+        if local >= per_node or local in slots:
+            left.append(u)
+        else:
+            slots[local] = u
+    kept: list[str] = []
+    for slots in nodes.values():
+        if len(slots) == per_node:
+            kept.extend(slots[lr] for lr in range(per_node))
+        else:
+            left.extend(slots.values())
+    return kept, left
+
+
+def whole_node_vote(pending: Sequence[tuple[int, str]], members: Sequence[str], per_node: int,
+                    room_nodes: int | None = None) -> int | None:
+    """The join slot up to which a whole-node round admits the processes that registered
+    (``pending``: ``(slot, uid)`` of the registrations not yet admitted): the slot that
+    completed the last whole node, at most ``room_nodes`` nodes (in the order they completed);
+    None if no node waiting is whole. The survivors end a round to admit joiners only then: a
+    node missing a worker waits without costing them a round per snapshot. A node of the round
+    (``members``) is never a joiner's. O(pending)."""
+    mine: set[str] = set()
+    for u in members:
+        with contextlib.suppress(ValueError):
+            mine.add(split_uid(u)[0])
+    latest: dict[str, dict[int, int]] = {}
+    for slot, uid in sorted(pending):
+        try:
+            node, local = split_uid(uid)
+        except ValueError:
+            continue
+        if node not in mine and 0 <= local < per_node:
+            latest.setdefault(node, {})[local] = slot
+    done = sorted(max(s.values()) for s in latest.values() if len(s) == per_node)
+    if room_nodes is not None:
+        done = done[:max(0, room_nodes)]
+    return done[-1] if done else None
 
 
 @dataclass(frozen=True)

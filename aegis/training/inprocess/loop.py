@@ -211,6 +211,31 @@ def _connect_within(timeout: timedelta) -> Any:
     return value
 
 
+def _check_per_node(ranks_per_node: int | None, max_world: int | None) -> int:
+    """``run_in_process(ranks_per_node=)`` against the launcher's environment, before anything
+    starts; returns the granularity of a round (1: any processes)."""
+    if ranks_per_node is None:
+        return 1
+    if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1:
+        raise ConfigError(f"run_in_process(ranks_per_node={ranks_per_node!r}): the processes of a "
+                          "node (e.g. int(os.environ['LOCAL_WORLD_SIZE'])), a positive integer")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    first = int(os.environ.get("WORLD_SIZE", "1"))
+    where = (f"run_in_process(ranks_per_node={ranks_per_node}) with LOCAL_RANK={local}, "
+             f"WORLD_SIZE={first}")
+    if local >= ranks_per_node:
+        raise ConfigError(f"{where}: local rank {local} is not one of the node's "
+                          f"0..{ranks_per_node - 1}; start {ranks_per_node} processes a node "
+                          "(--nproc-per-node) or pass the number it starts")
+    if first % ranks_per_node:
+        raise ConfigError(f"{where}: the first round ({first} processes) is not whole nodes of "
+                          f"{ranks_per_node}; start the same number of processes on every node")
+    if max_world is not None and max_world % ranks_per_node:
+        raise ConfigError(f"run_in_process(max_world={max_world}, ranks_per_node={ranks_per_node}):"
+                          " max_world must be whole nodes (a multiple of ranks_per_node)")
+    return ranks_per_node
+
+
 def _empty_rounds(empty: int, bound: int, backend: str, cause: str | None) -> dict[str, Any]:
     """``empty`` rounds in a row ended before the training function saved anything (a failed
     group creation counts too): past ``bound`` the process gives up (its launcher restarts it);
@@ -301,6 +326,7 @@ def run_in_process(
     *,
     min_world: int = 1,
     max_world: int | None = None,
+    ranks_per_node: int | None = None,
     max_restarts: int = 100,
     heartbeat_s: float = 0.2,
     dead_after_s: float = 1.0,
@@ -336,6 +362,15 @@ def run_in_process(
             a first round bigger than it) wait as *spares*, started and connected, and step in
             at the next loss. None: every process that comes is taken in at the survivors' next
             snapshot.
+        ranks_per_node: rounds of whole nodes (2-D and 3-D meshes: HSDP, tensor parallel
+            within a node): every round is made of nodes whose local ranks ``0 ..
+            ranks_per_node - 1`` are all there, each node's ranks contiguous and in local-rank
+            order (``world.local_rank`` is then ``LOCAL_RANK``). A node that lost a worker sits
+            out whole: its other workers wait, connected, as spares do, and the node rejoins at
+            the survivors' first snapshot after its replacement worker registered (or at the
+            next round formed after a loss). ``min_world`` is rounded up to whole nodes,
+            ``max_world`` and ``WORLD_SIZE`` must be multiples. None (the default): rounds of any
+            processes (1-D jobs).
         max_restarts: rounds this process may re-enter ``train`` after failures before it gives
             up (its launcher then restarts it).
         heartbeat_s: the heartbeat interval.
@@ -377,6 +412,8 @@ def run_in_process(
         raise ConfigError(f"run_in_process(min_world={min_world}, max_world={max_world}): "
                           "max_world (the most processes that train; more wait as spares) must "
                           "be at least min_world; leave it out to take in every process")
+    per_node = _check_per_node(ranks_per_node, max_world)
+    min_world = -(-min_world // per_node) * per_node  # whole nodes
     if dist.is_initialized():
         raise ConfigError("run_in_process() creates the process groups itself: call it instead of "
                           "init_process_group(), not after it")
@@ -414,9 +451,10 @@ def run_in_process(
                                                 uid), also=(JOIN_COUNT,))
     Round.joiners = lambda: hb.readings.get(JOIN_COUNT, 0)
     Round.max_world = max_world
+    Round.per_node = per_node
     membership = Membership(store, uid, hb, dead_after_s=dead_after_s,
                             form_timeout_s=form_timeout.total_seconds(), min_world=min_world,
-                            max_world=max_world)
+                            max_world=max_world, per_node=per_node)
     first = int(os.environ.get("WORLD_SIZE", "1"))
     r = 0
     previous: list[str] | None = None
@@ -525,7 +563,8 @@ def run_in_process(
             if restarts:
                 # the liveness link as it stands (connected: this process's death is seen by
                 # the store host at once; connects > 1: it came back after a store restart)
-                _emit_recovery(world, {**extra, "liveness": {
+                _emit_recovery(world, {**extra, "whole_nodes": world.whole_nodes,
+                                       "nodes": world.num_nodes, "liveness": {
                     "connected": link.connected, "connects": link.connects,
                     "failures": link.failures}})
             ab.publish()  # the default group's sockets
@@ -577,6 +616,7 @@ def run_in_process(
         hb.stop()
         Round.joiners = None
         Round.max_world = None
+        Round.per_node = 1
         Round.creating = False
         store.close()
         hb_store.close()

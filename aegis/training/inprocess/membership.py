@@ -17,6 +17,11 @@ store, ``AEGIS_MEMBERSHIP=host:port``), apart from any training.
   round after a failure costs each process O(changes) bytes, not O(world).
 * A process that starts while the job runs, or that a round was formed without, registers and
   waits to be admitted at the survivors' next snapshot (:meth:`Membership.join`).
+* Whole-node rounds (``per_node`` > 1, ``run_in_process(ranks_per_node=)``): the proposer keeps
+  the nodes whose local ranks ``0 .. per_node - 1`` all joined (:func:`.layout.whole_nodes`);
+  the processes of a node missing a worker are named in the record's ``"waiting"`` and wait in
+  :meth:`Membership.join` as spares do. The survivors' vote counts a node's registrations only
+  once the node is whole (:func:`.round.joiners_registered`).
 
 Store load, against the world size W (docs/architecture.md 13.1; ``bench/scale.py`` measures
 it): per process per heartbeat interval 2 requests (its counter; one ``multi_get``), O(1) bytes
@@ -25,7 +30,8 @@ and for everyone in a first round, which needs the whole list); O(W) requests in
 
 Store keys (all under ``aegis/``): ``hb/<uid>``; ``round/<r>/joined`` (one JSON line per joining
 process), ``round/<r>/count``, ``round/<r>/proposer``, ``round/<r>/members`` (the record:
-``{"members"}`` or ``{"base", "removed", "added", "size"}``, with ``"admitted"`` and ``"by"``),
+``{"members"}`` or ``{"base", "removed", "added", "size"}``, with ``"admitted"``, ``"by"`` and
+for whole-node rounds ``"waiting"``),
 ``round/<r>/list/<uid>`` (the proposer's whole list), ``round/<r>/dead`` (death log),
 ``round/<r>/done``, ``round/<r>/ports/<uid>`` (gloo fencing); ``join/count``, ``join/slot/<i>``,
 ``join/slot_of/<uid>``, ``join/round/<i>`` (``{"round", "base", "joiners"}``), ``admitted``.
@@ -47,6 +53,7 @@ from typing import Any
 import torch.distributed as dist
 
 from aegis.errors import ConfigError
+from aegis.training.inprocess.layout import uid_order, whole_nodes
 from aegis.training.inprocess.round import RecoveryGaveUp
 from aegis.training.inprocess.storeclient import BASE_ROUND, StoreRestarted
 
@@ -549,7 +556,7 @@ class Membership:
 
     def __init__(self, store: Any, uid: str, hb: Heartbeat, *, dead_after_s: float,
                  form_timeout_s: float, min_world: int, max_world: int | None = None,
-                 poll_s: float = 0.01) -> None:
+                 per_node: int = 1, poll_s: float = 0.01) -> None:
         self.store = store
         self.uid = uid
         self.hb = hb
@@ -557,6 +564,9 @@ class Membership:
         self.form_timeout_s = form_timeout_s
         self.min_world = min_world
         self.max_world = max_world  # None: every process that comes is taken in
+        # > 1: whole-node rounds (run_in_process(ranks_per_node=)); a node missing a worker
+        # sits out whole, its other workers wait like spares (layout.whole_nodes)
+        self.per_node = per_node
         self.poll_s = poll_s
         self._lists: dict[int, list[str]] = {}  # member lists of the rounds known here
         self.proposed: list[int] = []  # rounds this process proposed (tests, bench)
@@ -582,8 +592,13 @@ class Membership:
             self._propose(r, previous, expected_first, deadline)
         else:
             self._await(r, previous, expected_first, deadline, proposer, eligible)
-        members, admitted = self._read(r)
+        members, admitted, waiting = self._read(r)
         if self.uid not in members:
+            if self.uid in waiting:
+                raise Excluded(f"round {r} was formed of whole nodes ({self.per_node} processes "
+                               f"each) without this process's node ({self.uid}): a worker of it "
+                               "is missing; this process waits for it, like a spare",
+                               spare=True)
             if self.full(members):
                 raise Excluded(f"round {r} was formed full ({len(members)} of max_world="
                                f"{self.max_world}) without this process ({self.uid}): a spare",
@@ -595,6 +610,14 @@ class Membership:
     def full(self, members: list[str]) -> bool:
         """The round of ``members`` has ``max_world`` processes: one more waits as a spare."""
         return self.max_world is not None and len(members) >= self.max_world
+
+    def _admissible(self, uids: list[str] | dict[str, int],
+                    previous: list[str] | None) -> list[str]:
+        """The processes a round could be formed of: all of them, or with ``per_node`` > 1 those
+        of whole nodes (:func:`.layout.whole_nodes`)."""
+        if self.per_node <= 1:
+            return list(uids)
+        return whole_nodes(list(uids), self.per_node, previous or [])[0]
 
     def _alive(self, uid: str, declared: set[str]) -> bool:
         return uid not in declared and self.hb.silent_for(uid) < self.dead_after_s
@@ -636,7 +659,7 @@ class Membership:
                 if previous is not None:
                     missing = [u for u in previous if u not in joined]
             if previous is None:
-                if len(joined) >= needed:
+                if len(self._admissible(joined, None)) >= needed:
                     self._write(r, previous, joined)
                     return
             else:
@@ -661,7 +684,8 @@ class Membership:
                 # no ring successor declares is judged here
                 late = missing if now - started >= self.hb.interval_s else []
                 self.hb.watch(late + suspects)
-                if (len(joined) - len(dead) >= self.min_world and not undecided
+                if (len(self._admissible([u for u in joined if u not in dead], previous))
+                        >= self.min_world and not undecided
                         and not any(self._alive(u, declared) for u in missing)):
                     self._write(r, previous, {u: j for u, j in joined.items() if u not in dead})
                     return
@@ -676,7 +700,16 @@ class Membership:
 
     def _write(self, r: int, previous: list[str] | None, joined: dict[str, int]) -> None:
         order = {u: k for k, u in enumerate(previous or [])}
-        if self.max_world is not None and len(joined) > self.max_world:
+        waiting: list[str] = []
+        if self.per_node > 1:
+            # whole nodes only, survivors' nodes first, each node's processes in local-rank
+            # order; at most max_world // per_node nodes (the rest are spares)
+            kept, waiting = whole_nodes(list(joined), self.per_node, previous or [])
+            if self.max_world is not None:
+                kept = kept[:self.max_world // self.per_node * self.per_node]
+            joined = {u: joined[u] for u in kept}
+            order = {u: k for k, u in enumerate(kept)}
+        elif self.max_world is not None and len(joined) > self.max_world:
             # the members of the previous round first, then the others in the order they
             # joined (a first round: in uid order); the rest stay spares (they are Excluded,
             # and wait in join() until a round has room)
@@ -684,7 +717,7 @@ class Membership:
                                                    u if previous is None else ""))
             keep = set(ranked[:max(self.max_world, sum(1 for u in joined if u in order))])
             joined = {u: j for u, j in joined.items() if u in keep}
-        proposal = sorted(joined, key=lambda u: (order.get(u, len(order)), u))
+        proposal = sorted(joined, key=lambda u: (order.get(u, len(order)), uid_order(u)))
         admitted_before = int(self.store.add("aegis/admitted", 0))
         admitted = max([admitted_before] + [joined[u] for u in proposal])
         if admitted > admitted_before:
@@ -705,6 +738,8 @@ class Membership:
                 base = None
         if base is None:
             record = {"members": proposal, "admitted": admitted, "by": self.uid}
+        if waiting:  # processes of nodes not whole: Excluded as spares, not as misses
+            record["waiting"] = waiting
         # the whole list, for processes that do not know the base round (joiners), under this
         # proposer's name: two proposers after a takeover never overwrite each other's
         self.store.set(_rk(r, f"list/{self.uid}"), json.dumps(proposal))
@@ -744,9 +779,9 @@ class Membership:
             last = (proposer, beat)
         self._propose(r, previous, expected_first, deadline)
 
-    def _read(self, r: int) -> tuple[list[str], int]:
+    def _read(self, r: int) -> tuple[list[str], int, list[str]]:
         record = json.loads(self.store.get(_rk(r, "members")).decode())
-        return self._members_of(r, record), int(record["admitted"])
+        return self._members_of(r, record), int(record["admitted"]), list(record.get("waiting", []))
 
     def _members_of(self, r: int, record: dict[str, Any]) -> list[str]:
         if "members" in record:
@@ -786,6 +821,7 @@ class Membership:
             if u not in known:
                 known.add(u)
                 joiners.append(u)
+        joiners.sort(key=uid_order)  # a node's processes in local-rank order, not as they came
         plan = json.dumps({"round": r, "base": r - 1, "joiners": joiners})
         if slots:
             self.store.multi_set([f"aegis/join/round/{i}" for i in slots], [plan] * len(slots))

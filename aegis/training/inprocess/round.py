@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aegis.errors import AegisError
-from aegis.training.inprocess.layout import Layout, build_mesh
+from aegis.training.inprocess.layout import Layout, build_mesh, whole_node_vote
 
 __all__ = [
     "World",
@@ -150,6 +150,7 @@ class Round:
     create_timeout: Any = None  # run_in_process' bound on creating a round's groups
     joiners: Any = None  # () -> the join counter as the heartbeat last read it
     max_world: int | None = None  # run_in_process(max_world=): more processes wait as spares
+    per_node: int = 1  # run_in_process(ranks_per_node=): > 1, rounds of whole nodes only
 
 
 # -- Managers of the current round: aborted (no collectives) when the round fails -------------
@@ -196,10 +197,49 @@ def joiners_registered() -> int:
     processes that registered wait as spares. The cap is the same on every member (the round's
     size and slots admitted), so the vote's maximum is capped the same way."""
     registered = _registered()
+    if Round.per_node > 1:
+        return _whole_node_vote(registered)
     if Round.max_world is None:
         return registered
     room = max(0, Round.max_world - len(Round.members))
     return min(registered, Round.admitted + room)
+
+
+# join slot -> the uid that registered it, as read by this process (slots are written once; a
+# store restarted empty hands them out again from the slots admitted: dropped then)
+_slots: dict[int, str] = {}
+
+
+def _whole_node_vote(registered: int) -> int:
+    """Whole-node rounds: the registrations count only up to the slot that completed the last
+    whole node (:func:`.layout.whole_node_vote`), else the round would end at every snapshot to
+    admit a node's lone worker that the next round leaves out again. Reads the uids of slots not
+    read before (a ``check`` and a ``multi_get``, one bounded attempt each, O(new
+    registrations) bytes; none while nobody registers). A failed read counts nobody."""
+    admitted = Round.admitted
+    if registered <= admitted:
+        return admitted
+    for gone in [i for i in _slots if i <= admitted or i > registered]:
+        del _slots[gone]
+    want = [i for i in range(admitted + 1, registered + 1) if i not in _slots]
+    if want:
+        once = getattr(Round.store, "once", None)
+        try:
+            ask = once if once is not None else (lambda name, *a: getattr(Round.store, name)(*a))
+            keys = [f"aegis/join/slot/{i}" for i in want]
+            if not ask("check", keys):  # a registrant between its two writes: the others
+                keys = [k for k in keys if ask("check", [k])]
+            values = ask("multi_get", keys) if keys else []
+        except Exception:  # noqa: BLE001 - the store away: nobody is admitted at this snapshot
+            return admitted
+        for k, v in zip(keys, values, strict=True):
+            _slots[int(k.rsplit("/", 1)[1])] = v.decode()
+    pending = [(i, _slots[i]) for i in range(admitted + 1, registered + 1) if i in _slots]
+    room = None
+    if Round.max_world is not None:
+        room = max(0, Round.max_world - len(Round.members)) // Round.per_node
+    slot = whole_node_vote(pending, Round.members, Round.per_node, room)
+    return admitted if slot is None else slot
 
 
 def _registered() -> int:
