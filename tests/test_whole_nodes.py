@@ -167,6 +167,42 @@ def test_a_lost_worker_takes_its_node_out_and_the_node_rejoins_whole(store: dist
         _stop([*ms, new])
 
 
+@pytest.mark.timeout(120)
+def test_a_spare_node_waits_whole_and_steps_in_whole(store: dist.TCPStore) -> None:  # noqa: F811
+    """``max_world=4``, 3 nodes x 2: the first round is n0 and n1, n2's two processes are
+    spares. n1's worker 1 stops: the round formed after it is n0 and the spare node n2 (whole,
+    local rank 0 then 1); n1's worker 0 is told it waits."""
+    uids = [f"n{i}/{lr}/1" for i in range(3) for lr in range(2)]
+    ms = _whole(_members(store.port, uids))
+    try:
+        for m in ms:
+            m.m.max_world, m.m.min_world = 4, 4
+        first = _all(lambda m: _outcome(lambda: m.enter(0, None, 6)), ms)
+        assert first[:4] == [uids[:4]] * 4
+        assert all(isinstance(x, Exception) and getattr(x, "spare", False) for x in first[4:])
+        members = uids[:4]
+        box: dict[str, Any] = {}
+
+        def spare(m: _Member) -> None:
+            r, previous, slot = m.m.join(timeout_s=60)
+            box[m.uid] = m.enter(r, previous, 0, join_slot=slot)
+
+        spares = [threading.Thread(target=spare, args=(m,)) for m in ms[4:]]
+        for t in spares:
+            t.start()
+        _stop([ms[3]])
+        live = ms[:3]
+        _wait(lambda: all(m.round_failed() for m in live), DEAD_AFTER + 5, "loss seen")
+        out = _all(lambda m: _outcome(lambda: m.enter(1, members, 0)), live)
+        for t in spares:
+            t.join(30)
+        want = ["n0/0/1", "n0/1/1", "n2/0/1", "n2/1/1"]
+        assert out[:2] == [want, want] and box == {"n2/0/1": want, "n2/1/1": want}, (out, box)
+        assert isinstance(out[2], Exception) and getattr(out[2], "spare", False), out[2]
+    finally:
+        _stop(ms)
+
+
 @pytest.mark.quick
 @pytest.mark.parametrize("env, kw, match", [
     ({"LOCAL_RANK": "2", "WORLD_SIZE": "6"}, {"ranks_per_node": 2}, "local rank 2 is not one of"),
