@@ -12,7 +12,7 @@ export OMP_NUM_THREADS ?= 1
 TITAN_TEST_DEPS := torchdata==0.11.0 tyro==1.0.17 spmd_types==0.2.3 einops==0.8.2
 TITAN_TEST_NODEPS := torchtitan==0.3.0 triton==3.9.0
 
-.PHONY: venv demo test test-quick chaos chaos-inprocess chaos-xor chaos-3x2 chaos-xor-3x2 chaos-rs6 chaos-long chaos-spares worker-trade lint bench goodput gpu-wheels clean
+.PHONY: venv demo test test-quick chaos chaos-inprocess chaos-xor chaos-3x2 chaos-xor-3x2 chaos-rs6 chaos-long chaos-spares chaos-2d worker-trade lint bench goodput gpu-wheels clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -92,6 +92,12 @@ chaos-long: venv
 # replacement's processes (~15 min). CHAOS_SEED picks the seed.
 chaos-spares: venv
 	$(BIN)/python -m tests.chaos.campaign --seed $(CHAOS_SEED) --faults $(CHAOS_FAULTS) --in-process --topology 3x2 --spares 1 --kinds kill,double_kill,freeze,partition,worker_kill --workdir /tmp/aegis-chaos-spares-$(CHAOS_SEED) --out bench/results/chaos_spares_seed$(CHAOS_SEED).json
+
+# 2-D meshes in place (issue 38): 3 nodes x 2 ranks, HSDP (replicate across nodes x shard within
+# one) then FSDP + TP 2 within a node, rounds of whole nodes (checked in every round), the 3x2 mix
+# with worker kills (CHAOS_FAULTS each; ~1 min a fault here).
+chaos-2d: venv
+	for m in hsdp tp; do $(BIN)/python -m tests.chaos.campaign --seed $(CHAOS_SEED) --faults $(CHAOS_FAULTS) --in-process --topology 3x2 --mesh $$m --kinds $(CHAOS_MIX) --workdir /tmp/aegis-chaos-$$m-$(CHAOS_SEED) --out bench/results/chaos_$${m}_seed$(CHAOS_SEED).json || exit 1; done
 
 # One worker killed on a 2-rank node: replace it (aegis.launch) or let its node leave the job (~5 min).
 worker-trade: venv

@@ -122,6 +122,9 @@ class Config:
     in_process: bool = False  # aegis.run_in_process instead of torchrun restarts
     redundancy: str = "replica"  # or "xor" / "rs": one parity group over all nodes (issue 16)
     spares: int = 0  # --in-process: nodes started beside the job that wait (max_world) to step in
+    # the trainer's --mesh: "fsdp" (1-D), "hsdp" or "tp" (2-D, the inner dimension within a
+    # node); 2-D in place runs rounds of whole nodes, checked in every round
+    mesh: str = "fsdp"
 
     @property
     def world(self) -> int:
@@ -277,6 +280,7 @@ class Campaign:
                 "--timeout", str(c.snapshot_timeout), "--pg-timeout", str(c.pg_timeout),
                 "--loss-log", str(loss), "--digest-log", str(digest),
                 "--step-sleep", str(c.step_sleep)] + (
+                    ["--mesh", c.mesh] if c.mesh != "fsdp" else []) + (
                     ["--in-process", "--min-world", str(self.min_world)] if c.in_process else []) + (
                     ["--max-world", str(c.world)] if c.in_process and c.spares else [])
 
@@ -419,8 +423,22 @@ class Campaign:
             f"newest seen {self._durable_max}) {self._durable_violations[:3]}",
             not self._durable_violations and self._durable_polls > 0,
         ))
+        if self.cfg.mesh != "fsdp" and self.cfg.in_process:
+            self._check_whole_rounds()
         self._check_reference()
         return self.summary(time.time() - t0)
+
+    def _check_whole_rounds(self) -> None:
+        """2-D meshes in place: every round of the campaign was made of whole nodes (each
+        rank's ``recovery`` event says so, and every world logged is whole nodes)."""
+        n = self.cfg.nproc_per_node
+        rounds = [e for e in self._events() if e["event"] == "recovery"]
+        partial = sorted({e["round"] for e in rounds if e.get("whole_nodes") is not True})
+        worlds = sorted({x["world"] for x in read_jsonl(self.loss_log)})
+        self.global_checks.append((
+            f"every round was made of whole nodes of {n} ({len({e['round'] for e in rounds})} "
+            f"rounds re-formed, worlds {worlds}, rounds with a partial node: {partial})",
+            bool(rounds) and not partial and all(w % n == 0 for w in worlds)))
 
     # -- faults ----------------------------------------------------------------------------------
 
@@ -509,8 +527,10 @@ class Campaign:
         before = {n: cl.nodes[n].worker_pids() for n in self._participants()}
         victim = pids[local]
         others = {p for ps in before.values() for p in ps.values() if p != victim}
-        # nodes that keep a worker (a one-rank node's only worker is the victim)
-        survivors = [n for n, ps in before.items() if set(ps.values()) - {victim}]
+        # nodes that keep a worker (a one-rank node's only worker is the victim); with a 2-D
+        # mesh in place the victim's node sits out whole until its new worker is up
+        survivors = [n for n, ps in before.items() if set(ps.values()) - {victim}
+                     and not (self.cfg.in_process and self.cfg.mesh != "fsdp" and n == node)]
         rec.node = f"{node}/{local}"
         rec.t_start, _ = cl.kill_worker(node, local)
         if self.cfg.in_process:
@@ -977,6 +997,7 @@ class Campaign:
             "spares": self.cfg.spares,
             "launcher": "aegis.launch --on-worker-failure=replace" if self.cfg.launcher_policy else "torchrun",
             "redundancy": self.cfg.redundancy,
+            "mesh": self.cfg.mesh,
             "faults_planned": self.cfg.faults,
             "faults_injected": len(self.records),
             "wall_s": wall_s,
@@ -1087,6 +1108,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--spares", type=int, default=0,
                    help="--in-process: nodes that wait beside the job (max_world) and step in "
                         "at the first round after a loss")
+    p.add_argument("--mesh", choices=("fsdp", "hsdp", "tp"), default="fsdp",
+                   help="the trainer's mesh: 1-D FSDP, HSDP (replicate across nodes x shard "
+                        "within one) or FSDP + TP within a node; 2-D needs R >= 2")
     a = p.parse_args(argv)
     kinds = tuple(k for k in a.kinds.split(",") if k)
     bad = set(kinds) - set(ALL_KINDS)
@@ -1103,9 +1127,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--topology {a.topology}: at least 3 nodes (the world shrinks by one) of >= 1 rank")
     if a.spares < 0 or (a.spares and not a.in_process):
         p.error("--spares N (N >= 0) needs --in-process: spares wait in run_in_process")
+    if a.mesh != "fsdp" and nproc < 2:
+        p.error(f"--mesh {a.mesh}: the inner dimension is a node's ranks; give --topology Nx2 or more")
     cfg = Config(seed=a.seed, faults=a.faults, kinds=kinds, workdir=Path(a.workdir), network=not a.no_network,
                  in_process=a.in_process, redundancy=a.redundancy, nodes=nodes, nproc_per_node=nproc,
-                 spares=a.spares)
+                 spares=a.spares, mesh=a.mesh)
     s = Campaign(cfg).run()
     print()
     print(format_table(s))
