@@ -26,6 +26,7 @@ Run as a script under torchrun it trains and logs one JSON line per step on rank
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -39,6 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 
 VOCAB = 2048
 SEQ = 17
@@ -99,8 +101,13 @@ class Job:
                             base_folder=str(dump))
 
 
-def build(seed: int = 0, layers: int = 2) -> Job:
-    """Every rank, after ``init_process_group``."""
+def build(seed: int = 0, layers: int = 2, *, dp_replicate: int = 1, tp: int = 1) -> Job:
+    """Every rank, after ``init_process_group``. ``dp_replicate`` / ``tp`` > 1: the 2-D layouts
+    of torchtitan's ``ParallelDims`` (HSDP: ``dp_replicate`` x the rest sharded; FSDP + TP:
+    the model's own ``parallelize`` on the ``tp`` mesh, the innermost), built as ``Trainer``
+    builds them from ``parallelism.data_parallel_replicate_degree`` and
+    ``tensor_parallel_degree`` (``spmd_backend="partial_dtensor"``: DTensor for the
+    model-parallel axes only, its classic path)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule
     from torchtitan.components.dataloader import ParallelAwareDataloader
@@ -114,9 +121,30 @@ def build(seed: int = 0, layers: int = 2) -> Job:
     cfg.layers = cfg.layers[:layers]
     for layer in cfg.layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    if tp > 1:  # the Trainer fills the sharding config from parallelism.* before building
+        from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+
+        set_llama3_sharding_config(cfg, enable_sp=False)
     with torch.device("meta"):
         model = cfg.build()
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+    dp_rank, dp_world = rank, world
+    if dp_replicate == 1 and tp == 1:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+    else:
+        import torchtitan.distributed.parallel_dims as titan_dims
+        from torchtitan.distributed import ParallelDims
+
+        # torchtitan falls back to "cuda" when no accelerator is found (tools.utils.device_type)
+        # and ParallelDims builds its mesh on it; this machine has none
+        titan_dims.device_type = "cpu"
+        dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=-1, cp=1, tp=tp, pp=1, ep=1,
+                            world_size=world, spmd_backend="partial_dtensor")
+        dims.build_mesh()
+        if dims.tp_enabled:
+            model.parallelize(dims)
+        mesh = dims.get_mesh(["dp_replicate", "fsdp"] if dims.dp_replicate_enabled else ["fsdp"])
+        dp = dims.get_mesh("batch") if dims.dp_enabled else None
+        dp_rank, dp_world = (dp.get_local_rank(), dp.size()) if dp is not None else (0, 1)
     apply_fsdp_to_decoder(model, mesh, torch.float32, torch.float32, pp_enabled=False)
     for m in model.modules():
         if isinstance(m, FSDPModule):
@@ -132,8 +160,8 @@ def build(seed: int = 0, layers: int = 2) -> Job:
     lr_schedulers = LRSchedulersContainer.Config(
         warmup_steps=2, decay_ratio=0.8, decay_type="linear", min_lr_factor=0.0,
     ).build(optimizers=optimizers, training_steps=STEPS)
-    dataloader = ParallelAwareDataloader(TokenDataset(rank), dp_rank=rank, dp_world_size=world,
-                                         batch_size=BATCH)
+    dataloader = ParallelAwareDataloader(TokenDataset(dp_rank), dp_rank=dp_rank,
+                                         dp_world_size=dp_world, batch_size=BATCH)
     return Job(model, optimizers, lr_schedulers, dataloader, TrainState())
 
 
@@ -146,11 +174,20 @@ def train_step(job: Job) -> float:
     inputs, labels = next(job.data_iter)
     job.train_state.step += 1
     job.train_state.ntokens_seen += labels.numel()
-    global_tokens = torch.tensor(labels.numel() * dist.get_world_size())
+    dp_world = getattr(job.dataloader, "dp_world_size", dist.get_world_size())
+    global_tokens = torch.tensor(labels.numel() * dp_world)
     pred = job.model(inputs["input"], positions=inputs["positions"])
-    loss = torch.nn.functional.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(),
-                                             reduction="sum") / global_tokens
-    loss.backward()
+    ctx: Any = contextlib.nullcontext()
+    if isinstance(pred, DTensor):  # TP: the output is sharded over the vocabulary
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        ctx = loss_parallel()
+    with ctx:
+        loss = torch.nn.functional.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(),
+                                                 reduction="sum") / global_tokens
+        loss.backward()
+    if isinstance(loss, DTensor):
+        loss = loss.full_tensor()
     clip_grad_norm_(list(job.model.parameters()), 1.0, foreach=True)
     return float(loss.detach())
 

@@ -75,7 +75,11 @@ def _bad(field: str, value: Any, fix: str) -> ValueError:
 
 
 class _NoLoad:
-    """An entry of ``exclude_from_loading``: saved as usual, left as it is on restore."""
+    """An entry of ``exclude_from_loading``: saved as usual, left as it is on restore (the
+    Manager neither loads nor key-checks it: another data-parallel layout names the
+    dataloader's per-dp-rank state differently, and torchtitan resumes without it)."""
+
+    aegis_skip_restore = True
 
     def __init__(self, obj: Any) -> None:
         self.obj = obj

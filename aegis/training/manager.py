@@ -56,6 +56,7 @@ from aegis.training.state import (
     PerRank,
     Reshard,
     _hook,
+    _Wrapper,
     check_state,
     rng_state,
     set_rng_state,
@@ -67,6 +68,17 @@ __all__ = ["Manager"]
 _APP = "app"
 _RNG = "rng"
 _PER_RANK = "per_rank"
+
+
+def _skips_restore(obj: Any) -> bool:
+    """An entry that is saved but never loaded (``aegis_skip_restore = True`` on the object, as
+    the torchtitan backend's ``exclude_from_loading`` sets): left out of the restore's state
+    dict, its key check and its load."""
+    while obj is not None:
+        if getattr(obj, "aegis_skip_restore", False) is True:
+            return True
+        obj = obj.obj if isinstance(obj, _Wrapper) else None  # per_rank()/replicated()
+    return False
 
 
 class Manager:
@@ -310,6 +322,8 @@ class Manager:
         app: dict[str, Any] = {}
         mine: dict[str, Any] = {}
         for name, obj in self.state.items():
+            if manifest is not None and _skips_restore(obj):
+                continue  # saved, never loaded (torchtitan's exclude_from_loading)
             osd = obj.state_dict()
             if self._kind(name, obj, osd) == "per_rank":
                 mine[name] = osd
@@ -406,15 +420,26 @@ class Manager:
                 "the same state names, declared the same way (per_rank/replicated), as the run that "
                 "saved it, or use another job"
             )
-        check_keys(sd, m, include=lambda k: not k.startswith((f"{_RNG}.", f"{_PER_RANK}.")))
+        skipped = {n for n, obj in self.state.items() if _skips_restore(obj)}
+
+        def loaded(k: str) -> bool:  # not a key of an entry that is saved but never loaded
+            parts = k.split(".", 3)
+            return not skipped or not ((parts[0] == _APP and len(parts) > 1 and parts[1] in skipped)
+                                       or (parts[0] == _PER_RANK and len(parts) > 2
+                                           and parts[2] in skipped))
+
+        check_keys(sd, m, include=lambda k: not k.startswith((f"{_RNG}.", f"{_PER_RANK}."))
+                   and loaded(k))
         if m.world_size == self.world:
             own = f"{_PER_RANK}.{self._rng_key(self.rank)}."
-            check_keys(sd, m, include=lambda k: k.startswith(own))
+            check_keys(sd, m, include=lambda k: k.startswith(own) and loaded(k))
 
     def _apply(self, sd: dict[str, Any], manifest: Manifest) -> None:
         per = sd.get(_PER_RANK, {})
         fresh = []
         for name, obj in self.state.items():
+            if _skips_restore(obj):
+                continue
             if self._kinds.get(name) != "per_rank":
                 obj.load_state_dict(sd[_APP][name])
             elif manifest.world_size == self.world:
