@@ -12,7 +12,7 @@ export OMP_NUM_THREADS ?= 1
 TITAN_TEST_DEPS := torchdata==0.11.0 tyro==1.0.17 spmd_types==0.2.3 einops==0.8.2
 TITAN_TEST_NODEPS := torchtitan==0.3.0 triton==3.9.0
 
-.PHONY: venv demo test test-quick chaos chaos-inprocess chaos-xor chaos-3x2 chaos-xor-3x2 chaos-rs6 chaos-long chaos-spares chaos-2d worker-trade lint bench goodput gpu-wheels clean
+.PHONY: venv demo test test-quick docs chaos chaos-inprocess chaos-xor chaos-3x2 chaos-xor-3x2 chaos-rs6 chaos-long chaos-spares chaos-2d worker-trade lint bench goodput gpu-wheels clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -30,6 +30,11 @@ demo: venv
 
 test: venv
 	$(BIN)/python -m pytest -q
+
+# The guides and the API reference (mkdocs + mkdocstrings, from the docstrings) into build/site;
+# --strict: any warning (a docstring griffe cannot read, a broken link inside docs/) fails it.
+docs: venv
+	$(BIN)/mkdocs build --strict
 
 # The quick tier (< 2 min here): unit and single-process tests, for edit-test loops. CI runs `make test`.
 test-quick: venv
