@@ -31,52 +31,19 @@ bytes; non-tensor entries are shown by name and size, compared and exported as t
 bytes. A plain DCP directory's ``.metadata`` is read with an unpickler that admits only DCP's
 metadata classes, and its tensor payloads by DCP with ``torch.load(weights_only=True)``.
 
-JSON (``--json``): one document on stdout; every document has ``"schema": "aegis.<command>/1"``.
-Fields are only ever added within a schema version. Sizes are bytes, times are Unix seconds,
-``null`` means unknown or undefined (JSON has no NaN/Infinity). On an error the document is
-``{"schema": "aegis.error/1", "error": str, "exit_code": int}``.
-
-* ``aegis.ls/1``: ``{"steps": [row]}``, newest first; row: ``uri, tier ("memory" | "durable" |
-  "dcp"), job, step, committed, world_size, shards, raw_bytes, stored_bytes, ratio (raw/stored),
-  created, age_s, error``.
-* ``aegis.inspect/1``: ``uri, tier, job, step, world_size, created, age_s, format_version, mesh,
-  timings, shards: [{rank, node, size, chunks, raw_bytes, stored_bytes, replicas}] (DCP: [{file,
-  size}]), entries: [{name, kind ("tensor" | "object"), dtype, shape, shards, bytes, value?}],
-  state_kinds: {state name: "sharded" | "per_rank" | "replicated"}`` (per_rank entries are keyed
-  ``per_rank.rankNNNNN.<name>``: one copy per rank; ``{}`` for DCP directories), redundancy:
-  ``{scheme: "replica", copies}`` or ``{scheme: "xor" | "rs", groups: [{members, nodes,
-  parity_bytes_per_member, survives_losses}]}`` (RS adds ``parity`` and ``ec_type``; null
-  for DCP directories),
-  ``tensor?: {name, dtype, shape, numel, min, max, mean, norm, nan, inf}`` (``value`` only with
-  --unsafe-load-objects: its ``repr``; ``tensor`` only with --tensor).
-* ``aegis.verify/1``: ``ok, checksums (false for a plain DCP directory: only presence and
-  sizes can be checked), steps: [{uri, tier, job, step, ok, chunks, bytes, failures}],
-  failures: [{uri, tier, job, step, rank, chunk, error}]`` (``rank``/``chunk`` null when the
-  failure is not one chunk's: a missing shard, an index, a manifest).
-* ``aegis.diff/1``: ``a: {uri, tier, job, step}, b: {...}, identical, counts: {unchanged,
-  changed, only_a, only_b, incompatible}, entries: [{name, kind, status, dtype, shape,
-  max_abs_diff, rel_norm, detail?}]`` (status: ``unchanged | changed | only_a | only_b |
-  incompatible``; max_abs_diff and rel_norm = ||a-b|| / ||a|| over positions finite in both).
-* ``aegis.export/1``: ``uri, tier, job, step, format, out, tensors, objects, objects_skipped,
-  bytes, seconds``.
-* ``aegis.prune/1``: ``uri, tier, job, dry_run, keep_last, keep_every, committed, removed,
-  kept`` (lists of steps, ascending).
-* ``aegis.doctor/1``: ``uri, capabilities: {batch_delete, list_multipart_uploads,
-  conditional_put, crc32c: bool}, fallbacks: {operation: what aegis does without it}, notes``.
-* ``aegis.plan/1``: see :mod:`aegis.cli.plan`.
+JSON (``--json``): one document on stdout with ``"schema": "aegis.<command>/1"``; fields are only
+ever added within a schema version; an error is ``{"schema": "aegis.error/1", "error": str,
+"exit_code": int}``. Every schema, field by field, is in ``docs/guides/cli.md`` (its one copy).
 """
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import sys
 import time
 import traceback
 import warnings
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -90,20 +57,26 @@ from aegis.cli._common import (
     EXIT_USAGE,
     Bar,
     CliError,
-    FailedError,
+    emit_json,
     fmt_age,
     fmt_bytes,
     fmt_shape,
+    job_option,
     json_number,
+    json_option,
+    open_one,
     show,
+    snap_ref,
+    snapshot_of,
     stdout_console,
+    unsafe_option,
 )
 from aegis.errors import AegisError, CorruptShardError
 from aegis.read.errors import ReadError
 
 if TYPE_CHECKING:
-    from aegis.read.api import Snapshot, Source
-    from aegis.read.locations import TIER_DCP, Failure, Location, StepRow, pick, resolve
+    from aegis.read.api import Snapshot
+    from aegis.read.locations import TIER_DCP, Failure, StepRow, pick, resolve
     from aegis.snapshot.node_store import default_store_root
 
 __all__ = ["cli", "main"]
@@ -113,32 +86,14 @@ _LIGHT = {"plan", "doctor"}  # commands that never read a snapshot: no torch imp
 
 def _load_heavy() -> None:
     """Bind the snapshot readers (they import torch) for the commands that read snapshots."""
-    from aegis.read import api, locations
+    from aegis.read import locations
     from aegis.snapshot.node_store import default_store_root
 
-    globals().update(TIER_DCP=locations.TIER_DCP, Failure=locations.Failure, Location=locations.Location,
+    globals().update(TIER_DCP=locations.TIER_DCP, Failure=locations.Failure,
                      StepRow=locations.StepRow, pick=locations.pick, resolve=locations.resolve,
-                     Snapshot=api.Snapshot, Source=api.Source, default_store_root=default_store_root)
+                     default_store_root=default_store_root)
 
 _TIER_ORDER = {"memory": 0, "durable": 1, "dcp": 2}
-
-
-def _emit_json(doc: dict[str, Any]) -> None:
-    click.echo(json.dumps(doc, indent=2, allow_nan=False))
-
-
-def _open_one(uri: str, job: str | None, *, unsafe: bool = False) -> Location:
-    return pick(resolve(uri, unsafe=unsafe), job, uri, how="--job")
-
-
-def _snapshot(loc: Location, step: int | None) -> Snapshot:
-    """``step`` (default: the newest committed) of one location, or its one-line error."""
-    src = Source([loc])
-    return src.step(step) if step is not None else src.latest(skip_damaged=False)
-
-
-def _snap_ref(snap: Snapshot) -> dict[str, Any]:
-    return {"uri": snap.uri, "tier": snap.tier, "job": snap.job, "step": snap.step}
 
 
 def _age(created: float | None) -> float | None:
@@ -147,14 +102,6 @@ def _age(created: float | None) -> float | None:
 
 def _ratio(raw: int | None, stored: int | None) -> float | None:
     return raw / stored if raw is not None and stored else None
-
-
-json_option = click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
-job_option = click.option("--job", default=None, help="The job, when the URI holds several.")
-unsafe_option = click.option(
-    "--unsafe-load-objects", "unsafe", is_flag=True,
-    help="Unpickle non-tensor entries (torch.load(weights_only=False)): runs code from the "
-         "snapshot. Only for snapshots you trust.")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -198,7 +145,7 @@ def ls_cmd(uris: tuple[str, ...], job: str | None, as_json: bool) -> int:
                 src.close()
     rows.sort(key=lambda r: (-(r.step if r.step is not None else -1), _TIER_ORDER.get(r.tier, 9), r.job or ""))
     if as_json:
-        _emit_json({"schema": "aegis.ls/1", "steps": [
+        emit_json({"schema": "aegis.ls/1", "steps": [
             {"uri": r.uri, "tier": r.tier, "job": r.job, "step": r.step, "committed": r.committed,
              "world_size": r.world_size, "shards": r.shards, "raw_bytes": r.raw_bytes,
              "stored_bytes": r.stored_bytes, "ratio": json_number(_ratio(r.raw_bytes, r.stored_bytes)),
@@ -330,9 +277,9 @@ def inspect_cmd(uri: str, step: int | None, tensor_name: str | None, job: str | 
                 as_json: bool) -> int:
     """Manifest summary (job, step, world, mesh, timings) and one row per entry: name, dtype,
     global shape, number of shards, bytes. Non-tensor entries by name and size."""
-    src = _open_one(uri, job, unsafe=unsafe)
+    src = open_one(uri, job, unsafe=unsafe)
     try:
-        snap = _snapshot(src, step)
+        snap = snapshot_of(src, step)
         summary = snap.summary()
         values: dict[str, Any] | None = None
         if unsafe:
@@ -352,7 +299,7 @@ def inspect_cmd(uri: str, step: int | None, tensor_name: str | None, job: str | 
         src.close()
     entries = _entry_rows(snap, values)
     if as_json:
-        doc = {"schema": "aegis.inspect/1", **_snap_ref(snap), "world_size": summary["world_size"],
+        doc = {"schema": "aegis.inspect/1", **snap_ref(snap), "world_size": summary["world_size"],
                "created": summary["created"], "age_s": _age(summary["created"]),
                "format_version": summary["format_version"], "mesh": summary["mesh"],
                "timings": summary["timings"], "shards": summary["shards"], "entries": entries,
@@ -360,7 +307,7 @@ def inspect_cmd(uri: str, step: int | None, tensor_name: str | None, job: str | 
                "redundancy": summary.get("redundancy")}
         if stats is not None:
             doc["tensor"] = {k: json_number(v) if isinstance(v, float) else v for k, v in stats.items()}
-        _emit_json(doc)
+        emit_json(doc)
         return EXIT_OK
     console = stdout_console()
     show(console, _summary_table(snap, summary))
@@ -420,7 +367,7 @@ def verify_cmd(uri: str, step: int | None, all_steps: bool, job: str | None, as_
     names step, rank, chunk and tier."""
     if step is not None and all_steps:
         raise click.UsageError("give --step or --all, not both")
-    src = _open_one(uri, job)
+    src = open_one(uri, job)
     try:
         available = src.all_steps()
         if all_steps:
@@ -445,7 +392,7 @@ def verify_cmd(uri: str, step: int | None, all_steps: bool, job: str | None, as_
     failures = [f for _, r in results for f in r.failures]
     ok = not failures
     if as_json:
-        _emit_json({
+        emit_json({
             "schema": "aegis.verify/1", "ok": ok, "checksums": src.tier != TIER_DCP,
             "steps": [{"uri": src.uri, "tier": src.tier, "job": src.job, "step": s, "ok": not r.failures,
                        "chunks": r.chunks, "bytes": r.bytes, "failures": len(r.failures)}
@@ -480,306 +427,14 @@ def verify_cmd(uri: str, step: int | None, all_steps: bool, job: str | None, as_
     return EXIT_OK if ok else EXIT_FAILED
 
 
-# -- diff ----------------------------------------------------------------------------------------
+# one module per command beyond these: `aegis diff|export|prune|doctor|plan|store`
+from aegis.cli.diff import diff_cmd  # noqa: E402 - the group above must exist first
+from aegis.cli.doctor import doctor_cmd  # noqa: E402
+from aegis.cli.export import export_cmd  # noqa: E402
+from aegis.cli.prune import prune_cmd  # noqa: E402
 
-
-@cli.command("diff")
-@click.argument("uris", nargs=-1, required=True, metavar="URI [URI_B]")
-@click.option("--step", "steps", type=int, multiple=True,
-              help="Twice with one URI (A then B); with two URIs: once for both, or once per URI.")
-@job_option
-@click.option("--show-unchanged", is_flag=True, help="List unchanged entries too.")
-@json_option
-def diff_cmd(uris: tuple[str, ...], steps: tuple[int, ...], job: str | None, show_unchanged: bool,
-             as_json: bool) -> int:
-    """Per entry: unchanged / changed, max absolute difference and ||a-b|| / ||a||; entries only
-    on one side. Exit code 0 when identical, 1 when they differ."""
-    from aegis.cli._tensors import BATCH_BYTES, batches, compare
-
-    if len(uris) > 2:
-        raise click.UsageError("give one URI with --step A --step B, or two URIs")
-    if len(uris) == 1:
-        if len(steps) != 2:
-            raise click.UsageError("with one URI, give two steps: --step A --step B")
-        src_a = src_b = _open_one(uris[0], job)
-        step_a: int | None = steps[0]
-        step_b: int | None = steps[1]
-    else:
-        if len(steps) > 2:
-            raise click.UsageError("give at most two --step values")
-        src_a, src_b = _open_one(uris[0], job), _open_one(uris[1], job)
-        step_a = steps[0] if steps else None
-        step_b = steps[-1] if steps else None
-    try:
-        a, b = _snapshot(src_a, step_a), _snapshot(src_b, step_b)
-        names_a, names_b = list(a.entries), set(b.entries)
-        both = [n for n in names_a if n in names_b]
-        rows: dict[str, dict[str, Any]] = {}
-        for n in names_a:
-            if n not in names_b:
-                rows[n] = {"status": "only_a", "max_abs_diff": None, "rel_norm": None}
-        for n in b.entries:
-            if n not in a.entries:
-                rows[n] = {"status": "only_b", "max_abs_diff": None, "rel_norm": None}
-        tensors = [n for n in both if a.entries[n].kind == b.entries[n].kind == "tensor"]
-        objects = [n for n in both if a.entries[n].kind == b.entries[n].kind == "object"]
-        for n in both:
-            if n not in tensors and n not in objects:
-                rows[n] = {"status": "incompatible", "max_abs_diff": None, "rel_norm": None,
-                           "detail": "a tensor on one side, an object on the other"}
-        total = sum(x.bytes_to_read(tensors) + sum(x.entry_bytes(n) for n in tensors) for x in (a, b))
-        with Bar("comparing", total) as bar:
-            for group in batches(a, tensors, BATCH_BYTES):  # both sides batch by batch: bounded memory
-                ta = a.load(group, max_bytes=BATCH_BYTES, progress=bar.advance)
-                tb = b.load(group, max_bytes=BATCH_BYTES, progress=bar.advance)
-                for n in group:
-                    rows[n] = compare(ta[n], tb[n])
-                del ta, tb
-        if objects:
-            ra, rb = a.objects(objects, progress=False), b.objects(objects, progress=False)
-            for n in objects:
-                same = ra.get(n) == rb.get(n)
-                rows[n] = {"status": "unchanged" if same else "changed", "max_abs_diff": None,
-                           "rel_norm": None}
-    finally:
-        src_a.close()
-        if src_b is not src_a:
-            src_b.close()
-    order = list(a.entries) + [n for n in b.entries if n not in a.entries]
-    counts = {k: 0 for k in ("unchanged", "changed", "only_a", "only_b", "incompatible")}
-    entries = []
-    for n in order:
-        r = rows[n]
-        counts[r["status"]] += 1
-        e = a.entries.get(n) or b.entries[n]
-        is_t = e.kind == "tensor"
-        doc = {"name": n, "kind": "tensor" if is_t else "object", "status": r["status"],
-               "dtype": e.dtype if is_t else None,
-               "shape": list(e.shape or ()) if is_t else None,
-               "max_abs_diff": json_number(r["max_abs_diff"]), "rel_norm": json_number(r["rel_norm"])}
-        if "detail" in r:
-            doc["detail"] = r["detail"]
-        entries.append(doc)
-    identical = counts["unchanged"] == len(order)
-    if as_json:
-        _emit_json({"schema": "aegis.diff/1", "a": _snap_ref(a), "b": _snap_ref(b), "identical": identical,
-                    "counts": counts, "entries": entries})
-        return EXIT_OK if identical else EXIT_FAILED
-    console = stdout_console()
-    console.print(f"a: {a.uri} step {a.step}   b: {b.uri} step {b.step}")
-    table = Table(box=None, header_style="bold", pad_edge=False)
-    table.add_column("name", overflow="fold")
-    table.add_column("status")
-    table.add_column("dtype")
-    table.add_column("shape")
-    table.add_column("max |a-b|", justify="right")
-    table.add_column("|a-b|/|a|", justify="right")
-    styles = {"unchanged": "green", "changed": "yellow", "only_a": "cyan", "only_b": "cyan",
-              "incompatible": "red"}
-    for d in entries:
-        if d["status"] == "unchanged" and not show_unchanged:
-            continue
-        table.add_row(d["name"], Text(d["status"], style=styles[d["status"]]), d["dtype"] or "object",
-                      fmt_shape(d["shape"]),
-                      "-" if d["max_abs_diff"] is None else f"{d['max_abs_diff']:.4g}",
-                      "-" if d["rel_norm"] is None else f"{d['rel_norm']:.4g}")
-    if table.row_count:
-        show(console, table)
-    console.print(", ".join(f"{v} {k.replace('_', ' ')}" for k, v in counts.items() if v or k == "changed")
-                  + (" (identical)" if identical else ""))
-    return EXIT_OK if identical else EXIT_FAILED
-
-
-# -- export --------------------------------------------------------------------------------------
-
-
-@cli.command("export")
-@click.argument("uri")
-@click.argument("out", type=click.Path(path_type=Path))
-@click.option("--format", "fmt", type=click.Choice(["dcp", "torch", "safetensors"]), required=True,
-              help="dcp: a plain DCP checkpoint directory (sharding kept); torch / safetensors: one "
-                   "file of full (unsharded) tensors.")
-@click.option("--step", type=int, default=None, help="The step (default: the newest committed).")
-@click.option("--flat", is_flag=True, help="torch: flat 'a.b.c' keys instead of the nested state dict.")
-@click.option("--layout", type=click.Choice(["aegis", "torchtitan"]), default="aegis", show_default=True,
-              help="dcp: torchtitan names its keys as its own DCP checkpointer does (snapshots "
-                   "taken through aegis.integrations.torchtitan), so its loader reads the folder.")
-@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
-@job_option
-@unsafe_option
-@json_option
-def export_cmd(uri: str, out: Path, fmt: str, step: int | None, flat: bool, layout: str, force: bool,
-               job: str | None, unsafe: bool, as_json: bool) -> int:
-    """Write a snapshot for tools that have never heard of aegis: a plain DCP checkpoint that
-    torch.distributed.checkpoint.load reads, or one torch / safetensors file of full tensors.
-    Non-tensor entries go into dcp as their serialized bytes; into torch only with
-    --unsafe-load-objects; never into safetensors."""
-    if layout != "aegis" and fmt != "dcp":
-        raise click.UsageError(f"--layout {layout} applies to --format dcp only")
-    if (out.exists() or out.is_symlink()) and not force:
-        raise CliError(f"{out} exists; pass --force to replace it")
-    if not out.parent.is_dir():
-        raise CliError(f"{out.parent}: no such directory")
-    t0 = time.perf_counter()
-    src = _open_one(uri, job, unsafe=unsafe)
-    try:
-        snap = _snapshot(src, step)
-        if out.exists() or out.is_symlink():  # --force, and the snapshot is there to replace it
-            if out.is_dir() and not out.is_symlink():
-                shutil.rmtree(out)
-            else:
-                out.unlink()
-        tensor_names = snap.keys()
-        objects = [n for n in snap.entries if n not in set(tensor_names)]
-        tensor_bytes = sum(snap.entry_bytes(n) for n in tensor_names)
-        total = snap.bytes_to_read() + (0 if fmt == "dcp" else tensor_bytes)
-        with Bar(f"exporting step {snap.step}", total) as bar:
-            try:
-                done = snap.export(out, fmt, flat=flat, unpickle=unsafe, progress=bar.advance)
-                if fmt == "dcp" and layout == "torchtitan":
-                    from aegis.integrations.torchtitan import to_torchtitan_dcp
-
-                    to_torchtitan_dcp(out)
-                skipped: list[str] = done["objects_skipped"]
-            except BaseException:
-                if fmt == "dcp" and out.is_dir():
-                    shutil.rmtree(out, ignore_errors=True)
-                raise
-    finally:
-        src.close()
-    size = (sum(p.stat().st_size for p in out.rglob("*") if p.is_file()) if out.is_dir()
-            else out.stat().st_size)
-    secs = time.perf_counter() - t0
-    if as_json:
-        _emit_json({"schema": "aegis.export/1", **_snap_ref(snap), "format": fmt, "out": str(out),
-                    "tensors": len(tensor_names), "objects": len(objects) - len(skipped),
-                    "objects_skipped": skipped, "bytes": size, "seconds": secs})
-        return EXIT_OK
-    click.echo(f"exported step {snap.step} of {snap.uri} to {out} ({fmt}, {len(tensor_names)} "
-               f"tensors, {len(objects) - len(skipped)} objects, {fmt_bytes(size)}, {secs:.1f} s)")
-    if skipped:
-        why = ("safetensors holds tensors only" if fmt == "safetensors"
-               else "pass --unsafe-load-objects to include them")
-        click.echo(f"left out {len(skipped)} non-tensor entries ({why}): {', '.join(skipped[:4])}"
-                   + (", ..." if len(skipped) > 4 else ""), err=True)
-    return EXIT_OK
-
-
-# -- prune ---------------------------------------------------------------------------------------
-
-
-@cli.command("prune")
-@click.argument("uri")
-@click.option("--keep-last", type=click.IntRange(min=1), required=True, help="Keep the newest N committed steps.")
-@click.option("--keep-every", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Also keep every step that is a multiple of K (0: none).")
-@click.option("--dry-run", is_flag=True, help="Say what would be removed; remove nothing.")
-@job_option
-@json_option
-def prune_cmd(uri: str, keep_last: int, keep_every: int, dry_run: bool, job: str | None, as_json: bool) -> int:
-    """Apply the durable tier's retention by hand: keep the last N committed steps and every K-th;
-    the newest committed step is never removed. Manifests go first, so a step is never left
-    half-removed and still committed. Do not prune a node store a running job is using."""
-    from aegis.snapshot.durable import RetentionError
-    from aegis.snapshot.objstore import ObjectStore
-
-    src = _open_one(uri, job)
-    try:
-        committed = src.committed()
-        removed = src.prune(keep_last, keep_every, dry_run=dry_run)
-        store = getattr(src, "store", None)
-        for note in store.take_notes() if isinstance(store, ObjectStore) else ():  # what it lacks
-            click.echo(f"aegis: note: {note}", err=True)
-    except RetentionError as e:  # the store refused: not bad input
-        raise FailedError(f"{e} (removed: {', '.join(map(str, e.removed)) or 'none'}; the others "
-                          "are still committed)") from e
-    finally:
-        src.close()
-    kept = [s for s in committed if s not in set(removed)]
-    if as_json:
-        _emit_json({"schema": "aegis.prune/1", "uri": src.uri, "tier": src.tier, "job": src.job,
-                    "dry_run": dry_run, "keep_last": keep_last, "keep_every": keep_every,
-                    "committed": committed, "removed": removed, "kept": kept})
-        return EXIT_OK
-    console = stdout_console()
-    newest = committed[-1] if committed else None
-    last = set(committed[-keep_last:])
-    table = Table(box=None, header_style="bold", pad_edge=False)
-    table.add_column("step", justify="right")
-    table.add_column("action")
-    table.add_column("why")
-    for s in reversed(committed):
-        if s in removed:
-            table.add_row(str(s), Text("would remove" if dry_run else "removed", style="yellow"), "")
-        else:
-            why = ["newest"] if s == newest else []
-            if s in last and s != newest:
-                why.append(f"last {keep_last}")
-            if keep_every and s % keep_every == 0:
-                why.append(f"every {keep_every}")
-            table.add_row(str(s), Text("keep", style="green"), ", ".join(why))
-    if committed:
-        show(console, table)
-    console.print(f"{'would remove' if dry_run else 'removed'} {len(removed)} of {len(committed)} committed "
-                  f"step(s) in {src.uri}")
-    return EXIT_OK
-
-
-# -- doctor --------------------------------------------------------------------------------------
-
-
-@cli.command("doctor")
-@click.argument("url")
-@json_option
-def doctor_cmd(url: str, as_json: bool) -> int:
-    """What a durable store URL supports: reachability, bucket and credentials, then each
-    optional S3 operation (batch delete, ListMultipartUploads, conditional put, CRC32C), tried
-    once on a probe object under .aegis/ that is removed again, and what aegis does without it."""
-    from aegis.snapshot.objstore import CAPABILITY_FALLBACKS, open_store
-    from aegis.snapshot.retry import RetryPolicy
-
-    opts: dict[str, Any] = {}
-    if url.startswith("s3://"):
-        opts = {"retry": RetryPolicy(max_attempts=3, max_total_s=30.0), "connect_timeout_s": 5.0}
-    try:
-        store = open_store(url, **opts)
-    except AegisError as e:
-        raise CliError(str(e)) from e
-    try:
-        store.check()
-        caps = store.probe().to_json()
-        notes = store.take_notes()
-    except AegisError as e:
-        raise CliError(str(e)) from e
-    finally:
-        store.close()
-    if as_json:
-        _emit_json({"schema": "aegis.doctor/1", "uri": store.url, "capabilities": caps,
-                    "fallbacks": {k: CAPABILITY_FALLBACKS[k][1] for k, v in caps.items() if not v},
-                    "notes": notes})
-        return EXIT_OK
-    console = stdout_console()
-    if not url.startswith("s3://"):
-        console.print(f"{store.url}: a writable local directory; every operation is native")
-        return EXIT_OK
-    table = Table(box=None, header_style="bold", pad_edge=False)
-    table.add_column("operation")
-    table.add_column("supported")
-    table.add_column("without it, aegis ...", overflow="fold")
-    for k, ok in caps.items():
-        table.add_row(CAPABILITY_FALLBACKS[k][0], Text("yes" if ok else "no", style="green" if ok else "yellow"),
-                      "" if ok else CAPABILITY_FALLBACKS[k][1])
-    console.print(f"{store.url}: reachable, bucket and credentials ok")
-    show(console, table)
-    missing = [k for k, ok in caps.items() if not ok]
-    console.print("every optional operation is supported" if not missing else
-                  f"{len(missing)} optional operation(s) missing: aegis works, with the costs above")
-    for note in notes:
-        if not any(CAPABILITY_FALLBACKS[k][0] in note for k in missing):
-            click.echo(f"aegis: note: {note}", err=True)
-    return EXIT_OK
-
-
+for _cmd in (diff_cmd, export_cmd, prune_cmd, doctor_cmd):
+    cli.add_command(_cmd)
 # `aegis plan` (aegis/cli/plan.py): how often to snapshot and what failures cost.
 from aegis.cli.plan import plan as _plan  # noqa: E402 - the group above must exist first
 
@@ -795,7 +450,7 @@ cli.add_command(_store)
 def _fail(message: str, code: int, as_json: bool) -> int:
     click.echo(f"aegis: error: {message}", err=True)
     if as_json:
-        _emit_json({"schema": "aegis.error/1", "error": message, "exit_code": code})
+        emit_json({"schema": "aegis.error/1", "error": message, "exit_code": code})
     return code
 
 

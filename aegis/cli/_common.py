@@ -3,14 +3,19 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich.console import Console
 
 from aegis.read.progress import Bar  # the reading layer's bars (rich only, no torch)
+
+if TYPE_CHECKING:
+    from aegis.read.api import Snapshot
+    from aegis.read.locations import Location
 
 __all__ = [
     "EXIT_OK",
@@ -27,6 +32,13 @@ __all__ = [
     "fmt_age",
     "fmt_shape",
     "json_number",
+    "emit_json",
+    "open_one",
+    "snapshot_of",
+    "snap_ref",
+    "json_option",
+    "job_option",
+    "unsafe_option",
 ]
 
 EXIT_OK = 0
@@ -116,3 +128,35 @@ def json_number(x: float | None) -> float | None:
     if x is None or not math.isfinite(x):
         return None
     return x
+
+
+def emit_json(doc: dict[str, Any]) -> None:
+    """One ``--json`` document on stdout (no NaN or infinity: ``json_number`` first)."""
+    click.echo(json.dumps(doc, indent=2, allow_nan=False))
+
+
+def open_one(uri: str, job: str | None, *, unsafe: bool = False) -> Location:
+    """The one location of ``uri`` (``--job`` picks among several jobs)."""
+    from aegis.read.locations import pick, resolve  # imports torch: only commands that read
+
+    return pick(resolve(uri, unsafe=unsafe), job, uri, how="--job")
+
+
+def snapshot_of(loc: Location, step: int | None) -> Snapshot:
+    """``step`` (default: the newest committed) of one location, or its one-line error."""
+    from aegis.read.api import Source
+
+    src = Source([loc])
+    return src.step(step) if step is not None else src.latest(skip_damaged=False)
+
+
+def snap_ref(snap: Snapshot) -> dict[str, Any]:
+    return {"uri": snap.uri, "tier": snap.tier, "job": snap.job, "step": snap.step}
+
+
+json_option = click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
+job_option = click.option("--job", default=None, help="The job, when the URI holds several.")
+unsafe_option = click.option(
+    "--unsafe-load-objects", "unsafe", is_flag=True,
+    help="Unpickle non-tensor entries (torch.load(weights_only=False)): runs code from the "
+         "snapshot. Only for snapshots you trust.")
