@@ -14,20 +14,20 @@ Collective: every rank calls :func:`restore_newest` once, before the training lo
    if none is left the error names every step, shard and source tried. Nothing is loaded until
    every needed shard is verified.
 5. DCP loads through :class:`ShardReader` (resharding when the world size changed).
+
+This module orchestrates (and chooses each missing shard's source, :func:`_gather_shards`); the
+phases live beside it: :mod:`.restore_choose` (inventory, the step), :mod:`.restore_fetch`
+(from peers, from the durable tier), :mod:`.restore_rebuild` (from parity).
 """
 
 from __future__ import annotations
 
 import contextlib
-import mmap
-import os
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
@@ -42,30 +42,37 @@ from aegis.errors import (
     StateMismatchError,
 )
 from aegis.snapshot.dcp_io import SafeLoadPlanner, ShardReader
-from aegis.snapshot.durable import fetch_chunks, list_steps, read_manifest
-from aegis.snapshot.erasure import StripeLayout, rs_piece_size, rs_stripe_decode, xor_into
+from aegis.snapshot.durable import list_steps, read_manifest
 from aegis.snapshot.manifest import (
-    ChunkRecord,
     Layout,
     Manifest,
-    Redundancy,
-    ShardRecord,
     StepManifest,
-    assemble_any,
 )
-from aegis.snapshot.node_store import NodeStore, Slot
+from aegis.snapshot.node_store import NodeStore
 from aegis.snapshot.objstore import ObjectStore
 from aegis.snapshot.shard import (
-    FOOTER_SIZE,
-    check_blob,
-    check_index_matches,
     chunks_for_ranges,
-    crc32c,
-    decode_footer,
-    decode_index,
-    verify_chunks,
 )
-from aegis.snapshot.transport import Recv, Send, Transport
+from aegis.snapshot.transport import Transport
+from aegis.training.restore_choose import (  # noqa: F401 - re-exported (tests)
+    _assemble_step,
+    _choose,
+    _inventory,
+    _rebuild_blocker,
+    _StepInv,
+)
+from aegis.training.restore_fetch import (  # noqa: F401 - re-exported (tests)
+    DURABLE,
+    REBUILD,
+    _fetch_durable,
+    _run_transfers,
+    _runs,
+)
+from aegis.training.restore_rebuild import (  # noqa: F401 - re-exported (tests)
+    _fold_rebuilds,
+    _run_rebuilds,
+    _xor_ranges,
+)
 
 __all__ = ["RestoreResult", "restore_newest", "check_keys"]
 
@@ -105,145 +112,6 @@ def check_keys(state_dict: dict[str, Any], manifest: Manifest, *,
             f"the state does not match the snapshot of step {manifest.step}: {'; '.join(parts)}. "
             "Build the same model/optimizer/state names as the run that saved it, or use another job"
         )
-
-
-# -- inventory and decision (pure once gathered) ------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _StepInv:
-    committed: bool
-    world_size: int | None
-    shards: tuple[int, ...]
-    parity: tuple[int, ...] = ()  # ranks whose XOR parity stripe this node holds
-    redundancy: Redundancy | None = None  # from this node's manifest, when committed
-    split: bool = False  # committed here as a format-4 step record + layout (assembled at restore)
-
-
-def _rebuild_blocker(red: Redundancy | None, shard: int, held: set[int], parity_held: set[int]
-                     ) -> str | None:
-    """Why the missing ``shard`` cannot be rebuilt from its parity group (None: it can)."""
-    group = red.group_of(shard) if red is not None else None
-    if group is None:
-        return "no parity group covers it"
-    lost = [m for m in group.members if m not in held]
-    k, code = red.parity, red.scheme.upper()  # type: ignore[union-attr]
-    if len(lost) > k:
-        return (f"its {code} parity group (ranks {list(group.members)}) lost the shards of ranks {lost}; "
-                f"{code} parity rebuilds {'one lost member' if k == 1 else f'{k} lost members'} per group")
-    gone = [m for m in group.members if m not in lost and m not in parity_held]
-    if len(lost) + len(gone) > k:
-        return (f"its {code} parity group (ranks {list(group.members)}) lost the parity of rank(s) "
-                f"{gone} as well")
-    return None
-
-
-def _inventory(store: NodeStore) -> tuple[dict[int, _StepInv], list[str]]:
-    """What this node holds, and the steps whose manifest is damaged here (skipped: treated as
-    not committed on this node, its shards still usable against another node's manifest).
-    A manifest of another job or format is no damage: it raises."""
-    out = {}
-    notes: list[str] = []
-    for info in store.steps():
-        world = None
-        red = None
-        committed = info.committed
-        split = False
-        if committed:
-            try:
-                m = store.read_node_manifest(info.step)
-                if isinstance(m, StepManifest):
-                    lnotes: list[str] = []
-                    store.read_layout(m.layout, lnotes)  # an intact copy, or not committed here
-                    notes.extend(f"step {info.step}: {n}" for n in lnotes)
-                    world, split = m.world_size, True
-                else:
-                    world, red = m.world_size, m.redundancy
-            except IncompatibleSnapshotError:
-                raise
-            except ManifestError as e:
-                committed = False
-                notes.append(f"step {info.step}: manifest on node store {store.dir} skipped: {e}")
-        out[info.step] = _StepInv(committed, world, info.shard_ranks, info.parity_ranks, red, split)
-    return out, notes
-
-
-def _choose(invs: dict[str, dict[int, _StepInv]], bad: set[int], durable_steps: list[int],
-            want: int | None = None) -> tuple[int | None, list[str]]:
-    """The newest step committed on some node with every shard held by some node, or committed
-    on the durable tier, whichever is newer (memory preferred for the same step); only ``want``
-    when given."""
-    notes: list[str] = []
-    steps = sorted({s for inv in invs.values() for s, i in inv.items() if i.committed}
-                   | set(durable_steps), reverse=True)
-    if want is not None:
-        if want not in steps:
-            notes.append(f"step {want} is not committed on any node store or the durable tier "
-                         f"(committed: {sorted(steps)[-8:] or 'none'})")
-        steps = [s for s in steps if s == want]
-    for step in steps:
-        if step in bad:
-            continue
-        if step in durable_steps:
-            return step, notes
-        world = next(inv[step].world_size for inv in invs.values() if step in inv and inv[step].committed)
-        assert world is not None
-        held = {s for inv in invs.values() if step in inv for s in inv[step].shards}
-        missing = [s for s in range(world) if s not in held]
-        if missing:
-            red = next((inv[step].redundancy for inv in invs.values()
-                        if step in inv and inv[step].redundancy is not None), None)
-            parity = {p for inv in invs.values() if step in inv for p in inv[step].parity}
-            blockers = {s: _rebuild_blocker(red, s, held, parity) for s in missing}
-            if any(blockers.values()):
-                why = "; ".join(f"rank {s}: {b}" for s, b in blockers.items() if b)
-                notes.append(f"step {step}: shards of rank(s) {missing} missing on every node ({why})")
-                continue
-        return step, notes
-    return None, notes
-
-
-def _assemble_step(store: NodeStore, group: Group, step: int, is_leader: bool, src: int
-                   ) -> tuple[tuple[Manifest, tuple[Layout, StepManifest]] | None, list[str]]:
-    """The whole manifest of a format-4 step, put together on every rank: the first node that
-    committed it sends its layout and step record, every node leader sends the records (from the
-    shards' own crc-checked indexes) of the shards of that step it holds; one all-gather
-    (O(world) records in all: what the whole manifest held, moved once per restore instead of
-    written at every step). A rank whose copies disagree is settled by the step's digest.
-    Returns (manifest, (layout, step record)) or None, and notes on the copies passed over."""
-    parts: tuple[Layout, StepManifest] | None = None
-    records: dict[int, ShardRecord] = {}
-    notes: list[str] = []
-    if is_leader:
-        info = next((i for i in store.steps() if i.step == step), None)
-        for r in info.shard_ranks if info is not None else ():
-            try:
-                records[r] = store.shard_record(step, r)
-            except (OSError, ManifestError) as e:  # this copy's index is damaged: others may do
-                notes.append(f"step {step}: index of rank {r}'s shard on node store {store.dir} "
-                             f"skipped: {e}")
-    if group.rank == src:
-        try:
-            m = store.read_node_manifest(step)
-            assert isinstance(m, StepManifest)
-            parts = (store.read_layout(m.layout), m)
-        except (ManifestError, AssertionError) as e:
-            notes.append(f"step {step}: manifest on node store {store.dir} unreadable: {e}")
-    gathered = group.all_gather((parts, records, notes), "restore records")
-    found = next((p for p, _, _ in gathered if p is not None), None)
-    why = [n for _, _, ns in gathered for n in ns]
-    if found is None:
-        return None, why or [f"step {step}: no readable format-4 manifest"]
-    candidates: dict[int, list[ShardRecord]] = {}
-    for _, recs, _ in gathered:
-        for r, rec in recs.items():
-            candidates.setdefault(r, []).append(rec)
-    layout, stepm = found
-    try:
-        manifest = assemble_any(layout, stepm, candidates, where=f"step {step}")
-    except ManifestError as e:
-        return None, [*why, f"step {step}: {e}"]
-    return (manifest, found), why
 
 
 # -- the restore ---------------------------------------------------------------------------------
@@ -628,493 +496,6 @@ def _gather_shards(
                 used.setdefault((dst, s), set()).add(src)
                 out.rejected.append(f"{src} -> {dst}: {err}")
     return out
-
-
-def _fixed(view: torch.Tensor) -> Callable[[list[int]], list[torch.Tensor]]:
-    """A Recv allocator that receives into ``view``."""
-    return lambda sizes: [view]
-
-
-def _runs(chunks: list[ChunkRecord], ids: set[int], *, size: int | None = None) -> list[tuple[int, int]]:
-    """Byte ranges [start, end) covering the chunks ``ids``, contiguous chunks merged; with
-    ``size`` (the shard's size) also the index and footer after the last chunk."""
-    spans = [(chunks[i].offset, chunks[i].offset + chunks[i].length) for i in sorted(ids)]
-    if size is not None:
-        spans.append((chunks[-1].offset + chunks[-1].length if chunks else 0, size))
-    out: list[tuple[int, int]] = []
-    for a, b in spans:
-        if out and out[-1][1] == a:
-            out[-1] = (out[-1][0], b)
-        else:
-            out.append((a, b))
-    return out
-
-
-def _check_partial(mem: memoryview, rec: Any, step: int, ids: set[int], where: str) -> None:
-    """A partial copy: the chunks it holds, and its own index, which must match the manifest."""
-    verify_chunks(mem, rec.chunks, step=step, rank=rec.rank, where=where, only=ids)
-    size = len(mem)
-    try:
-        start, icrc = decode_footer(bytes(mem[size - FOOTER_SIZE:]), size=size, where=where)
-        index = decode_index(bytes(mem[start:size - FOOTER_SIZE]), crc=icrc, size=size, where=where)
-    except ManifestError as e:
-        raise CorruptShardError(f"shard of rank {rec.rank} at step {step}: {e}", step=step,
-                                rank=rec.rank, where=where) from e
-    if icrc != rec.index_crc32c:
-        raise CorruptShardError(f"copy of the shard of rank {rec.rank} from {where} does not match "
-                                "the manifest (index crc32c differs)", step=step, rank=rec.rank, where=where)
-    check_index_matches(index, rec, step=step, where=where)
-
-
-def _run_transfers(
-    store: NodeStore,
-    group: Group,
-    transport: Transport,
-    manifest: Manifest,
-    transfers: list[tuple[int, str, str, Any]],
-    worker: Callable[[str, int], int],
-) -> list[tuple[int, str, str, str | None, int, float, bool]]:
-    """One round of copies between nodes: a whole shard (ids None), the chunks a node needs
-    (a set of chunk ids: their byte runs, the index and footer), or only the byte ranges it
-    reads ((ids, spans): the sender checks those chunks against the manifest first and sends
-    the spans with a crc32c of each, which the receiver checks). Receivers verify what arrives
-    before it is used."""
-    step = manifest.step
-    sends: list[Send] = []
-    recvs: list[Recv] = []
-    opened: list[mmap.mmap] = []
-    incoming: dict[int, tuple[Slot, str, str, set[int] | None]] = {}
-    spans_in: dict[int, tuple[Slot, str, str, list[tuple[int, int]], list[torch.Tensor]]] = {}
-    t0 = time.perf_counter()
-    ranged = [t for t in transfers if isinstance(t[3], tuple)]
-    transfers = [t for t in transfers if not isinstance(t[3], tuple)]
-    for s, src, dst, (ids, spans) in ranged:
-        sender, receiver = worker(src, s), worker(dst, s)
-        rec = manifest.shard(s)
-        total = sum(b - a for a, b in spans)
-        if sender == group.rank:
-            crcs = torch.full((len(spans),), -1, dtype=torch.int64)
-            data = torch.zeros(total, dtype=torch.uint8)
-            try:
-                with open(store.shard_path(step, s), "rb") as f:
-                    if os.fstat(f.fileno()).st_size != rec.size:
-                        raise ValueError("size differs from the manifest")
-                    m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-                try:
-                    verify_chunks(m, rec.chunks, step=step, rank=s, where=f"node {src!r}", only=ids)
-                    with warnings.catch_warnings():  # read-only mapping, only read
-                        warnings.simplefilter("ignore", UserWarning)
-                        whole = torch.frombuffer(m, dtype=torch.uint8)
-                    view = memoryview(m)
-                    pos = 0
-                    for i, (a, b) in enumerate(spans):
-                        data[pos:pos + b - a].copy_(whole[a:b])
-                        crcs[i] = crc32c(view[a:b])
-                        pos += b - a
-                    del whole, view
-                finally:
-                    with contextlib.suppress(BufferError):
-                        m.close()
-            except (OSError, ValueError, CorruptShardError):
-                crcs.fill_(-1)  # the receiver rejects it and tries the next source
-            sends.append(Send(receiver, [data, crcs.view(torch.uint8)]))
-        if receiver == group.rank:
-            store.step_dir(step).mkdir(mode=0o700, parents=True, exist_ok=True)
-            slot = Slot(store.partial_path(step, s))
-            slot.ensure(rec.size, prefault=False)  # sparse: only the spans are written
-            bufs = [torch.empty(total, dtype=torch.uint8), torch.empty(8 * len(spans), dtype=torch.uint8)]
-            spans_in[s] = (slot, src, dst, spans, bufs)
-            recvs.append(Recv(sender, _fixed_many(bufs)))
-    for s, src, dst, ids in transfers:
-        sender, receiver = worker(src, s), worker(dst, s)
-        rec = manifest.shard(s)
-        runs = [(0, rec.size)] if ids is None else _runs(list(rec.chunks), ids, size=rec.size)
-        if sender == receiver:
-            raise AegisError("internal: a node fetching from itself")
-        if sender == group.rank:
-            try:
-                with open(store.shard_path(step, s), "rb") as f:
-                    size = os.fstat(f.fileno()).st_size
-                    if size != rec.size:
-                        raise ValueError(f"{size} bytes, the manifest says {rec.size}")
-                    m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-                opened.append(m)
-                whole = torch.frombuffer(m, dtype=torch.uint8)
-            except (OSError, ValueError):
-                # The receiver has posted its receives: send as many bytes, which its checks
-                # then reject, so it moves on to the next source instead of waiting out a timeout.
-                whole = torch.zeros(rec.size, dtype=torch.uint8)
-            sends.extend(Send(receiver, [whole[a:b]]) for a, b in runs)
-        if receiver == group.rank:
-            store.step_dir(step).mkdir(mode=0o700, parents=True, exist_ok=True)
-            path = (store.step_dir(step) / f".recv-rank-{s:05d}.shard" if ids is None
-                    else store.partial_path(step, s))
-            slot = Slot(path)
-            # a whole shard is pre-faulted; a partial one stays sparse
-            slot.ensure(rec.size, prefault=ids is None)
-            incoming[s] = (slot, src, dst, ids)
-            for a, b in runs:
-                recvs.append(Recv(sender, _fixed(slot.view[a:b])))
-    try:
-        transport.exchange(sends, recvs)
-    except BaseException:
-        for slot in [x[0] for x in incoming.values()] + [x[0] for x in spans_in.values()]:
-            slot.close()
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(slot.path)
-        raise
-    finally:
-        for m in opened:
-            with contextlib.suppress(BufferError):
-                m.close()
-    secs = time.perf_counter() - t0
-    results = []
-    for s, (slot, src, dst, ids) in sorted(incoming.items()):
-        rec = manifest.shard(s)
-        err = None
-        where = f"copy from node {src!r}"
-        try:
-            with slot.memory as mem:
-                if ids is None:
-                    index, icrc = check_blob(mem, step=step, rank=s, where=where)
-                    if icrc != rec.index_crc32c:
-                        raise CorruptShardError(f"copy of the shard of rank {s} from node {src!r} "
-                                                "does not match the manifest", step=step, rank=s)
-                    check_index_matches(index, rec, step=step, where=where)
-                else:
-                    _check_partial(mem, rec, step, ids, where)
-        except CorruptShardError as e:
-            err = str(e)
-        slot.close()
-        nbytes = sum(b - a for a, b in ([(0, rec.size)] if ids is None
-                                        else _runs(list(rec.chunks), ids, size=rec.size)))
-        if err is None and ids is None:
-            os.replace(slot.path, store.shard_path(step, s))
-        elif err is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(slot.path)
-        results.append((s, src, dst, err, nbytes, secs, ids is not None))
-    for s, (slot, src, dst, spans, bufs) in sorted(spans_in.items()):
-        data, crcs = bufs[0], bufs[1].view(torch.int64)
-        err = None
-        pos = 0
-        for i, (a, b) in enumerate(spans):
-            piece = data[pos:pos + b - a]
-            if int(crcs[i]) < 0:
-                err = f"node {src!r}'s copy of the shard of rank {s} failed its check"
-                break
-            if crc32c(memoryview(piece.numpy())) != int(crcs[i]):  # type: ignore[arg-type]
-                err = f"bytes {a}..{b} of the shard of rank {s} from node {src!r} arrived damaged"
-                break
-            slot.view[a:b].copy_(piece)
-            pos += b - a
-        slot.close()
-        if err is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(slot.path)
-        results.append((s, src, dst, err, data.numel() + crcs.numel() * 8, secs, True))
-    return results
-
-
-def _fixed_many(bufs: list[torch.Tensor]) -> Callable[[list[int]], list[torch.Tensor]]:
-    """A Recv allocator that receives the announced parts into ``bufs`` (sizes must match)."""
-    def alloc(sizes: list[int]) -> list[torch.Tensor]:
-        if sizes != [b.numel() for b in bufs]:
-            raise AegisError(f"expected parts of {[b.numel() for b in bufs]} bytes, announced {sizes}")
-        return bufs
-    return alloc
-
-
-DURABLE = "durable"
-REBUILD = "rebuild"
-
-
-def _map_local(path: os.PathLike[str] | str) -> tuple[torch.Tensor | None, mmap.mmap | None]:
-    """A private read mapping of a node-store file as uint8 (None when it cannot be read)."""
-    try:
-        with open(path, "rb") as f:
-            if os.fstat(f.fileno()).st_size == 0:
-                return torch.zeros(0, dtype=torch.uint8), None
-            m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    except OSError:
-        return None, None
-    return torch.frombuffer(m, dtype=torch.uint8), m
-
-
-def _run_rebuilds(
-    store: NodeStore,
-    group: Group,
-    transport: Transport,
-    manifest: Manifest,
-    jobs: list[tuple[int, str, str, set[int] | None]],
-    worker: Callable[[str, int], int],
-    holders: Callable[[int], list[str]],
-    parity_holders: Callable[[int], list[str]],
-) -> list[tuple[int, str, str, str | None, int, float, bool]]:
-    """Rebuild lost shards from their parity groups (collective, like a transfer round).
-
-    For each job (shard ``s`` for node ``dst``, the chunks its DCP plan reads), only what
-    covers the byte runs of those chunks plus the shard's index is rebuilt. XOR: each run is
-    cut at the group's segment boundaries, and for each piece the receiving rank gets the
-    parity of the stripe the piece belongs to and the same bytes of every surviving
-    contributor (read locally when its node holds them) and XORs them into a sparse partial
-    file. RS: each segment the runs touch is decoded from d surviving pieces of its stripe
-    (the other contributors' segments first, then parity pieces). Every rebuilt chunk's
-    crc32c and the index are then checked against the manifest before the file may be
-    loaded. The parity files used are first checked against their recorded crc32c by the
-    ranks that hold them."""
-    step = manifest.step
-    red = manifest.redundancy
-    assert red is not None
-    scheme = red.scheme
-    me = group.rank
-    t0 = time.perf_counter()
-    files: dict[tuple[str, int], torch.Tensor | None] = {}
-    opened: list[mmap.mmap] = []
-
-    def local(kind: str, r: int) -> torch.Tensor | None:
-        if (kind, r) not in files:
-            path = store.shard_path(step, r) if kind == "shard" else store.parity_path(step, r, scheme)
-            files[(kind, r)], m = _map_local(path)
-            if m is not None:
-                opened.append(m)
-        return files[(kind, r)]
-
-    def source(kind: str, r: int, dst: str) -> str:
-        nodes = holders(r) if kind == "shard" else parity_holders(r)
-        return dst if dst in nodes else nodes[0]
-
-    def lost(g: Any) -> set[int]:  # member indices whose shard no node holds
-        return {i for i, m in enumerate(g.members) if not holders(m)}
-
-    def no_parity(g: Any) -> set[int]:  # member indices whose parity file no node holds
-        return {i for i, m in enumerate(g.members) if not parity_holders(m)}
-
-    # 1. every parity file held for the groups involved, checked where it is held
-    checks = sorted({(r, source("parity", r, dst), g.stored, g.parity_crc32c[i])
-                     for s, _, dst, _ in jobs for g in [red.group_of(s)] if g is not None
-                     for i, r in enumerate(g.members) if parity_holders(r)})
-    mine = []
-    for r, n, size, crc in checks:
-        if worker(n, r) == me:
-            try:
-                store.verify_parity(step, r, size, crc, scheme)
-            except CorruptShardError as e:
-                mine.append((r, f"{n}: {e}"))
-    bad = dict(x for xs in group.all_gather(mine, "rebuild parity check") for x in xs)
-    # 2. what each job reads: (kind, member index, lo, hi) per piece, per rebuilt range; RS
-    # reads around missing or corrupt parity while the group's losses stay within k
-    plans = []
-    for s, _, dst, ids in jobs:
-        g = red.group_of(s)
-        assert g is not None
-        layout = red.layout([manifest.shard(m).size for m in g.members])
-        x = g.members.index(s)
-        rec = manifest.shard(s)
-        wanted = set(range(len(rec.chunks))) if ids is None else ids
-        runs = _runs(list(rec.chunks), wanted, size=rec.size)
-        corrupt = {i for i, m in enumerate(g.members) if m in bad}
-        if scheme == "rs":
-            ranges = (_rs_ranges(layout, x, runs, lost(g), no_parity(g) | corrupt)
-                      if len(lost(g) | no_parity(g) | corrupt) <= layout.parity else [])
-            used = corrupt if not ranges else set()
-        else:  # XOR has no other piece: a corrupt parity the runs need ends the rebuild
-            ranges = _xor_ranges(layout, x, runs)
-            used = corrupt & {i for _, parts in ranges for kind, i, _, _ in parts if kind == "parity"}
-            ranges = [] if used else ranges
-        why = "; ".join(bad[g.members[i]] for i in sorted(used)) or (
-            None if ranges else f"more than {layout.parity} member(s) of group {list(g.members)} lost")
-        plans.append((s, dst, wanted, g, layout, ranges, why))
-    # 3. the pieces: sends and receives in one global order, so every pair of ranks matches
-    sends: list[Send] = []
-    recvs: list[Recv] = []
-    todo: dict[tuple[int, str], tuple[list[tuple[int, list[torch.Tensor]]], int]] = {}
-    for s, dst, _wanted, g, _layout, ranges, unusable in plans:
-        if unusable:
-            continue
-        receiver = worker(dst, s)
-        pieces: list[tuple[int, list[torch.Tensor]]] = []
-        nbytes = 0
-        for pos, parts in ranges:
-            bufs: list[torch.Tensor] = []
-            for kind, i, lo, hi in parts:
-                r = g.members[i]
-                if hi == lo:  # an empty segment (a short shard): zeros, from nobody
-                    if receiver == me:
-                        bufs.append(torch.zeros(0, dtype=torch.uint8))
-                    continue
-                src = source(kind, r, dst)
-                if src == dst:
-                    if receiver == me:
-                        data = local(kind, r)
-                        bufs.append(data[lo:hi] if data is not None and data.numel() >= hi
-                                    else torch.zeros(hi - lo, dtype=torch.uint8))
-                    continue
-                sender = worker(src, r)
-                if sender == me:
-                    data = local(kind, r)
-                    # a missing or short file still sends as many bytes (zeros): the
-                    # receiver's crc32c checks reject them instead of waiting out a timeout
-                    sends.append(Send(receiver, [data[lo:hi] if data is not None and data.numel() >= hi
-                                                 else torch.zeros(hi - lo, dtype=torch.uint8)]))
-                if receiver == me:
-                    buf = torch.empty(hi - lo, dtype=torch.uint8)
-                    recvs.append(Recv(sender, _fixed(buf)))
-                    bufs.append(buf)
-                    nbytes += hi - lo
-            if receiver == me:
-                pieces.append((pos, bufs))
-        if receiver == me:
-            todo[(s, dst)] = (pieces, nbytes)
-    try:
-        transport.exchange(sends, recvs)
-        secs = time.perf_counter() - t0
-        return _fold_rebuilds(store, manifest, plans, todo, worker, me, secs)
-    finally:
-        sends.clear()
-        todo.clear()
-        files.clear()
-        for m in opened:
-            with contextlib.suppress(BufferError):
-                m.close()
-
-
-_Part = tuple[str, int, int, int]  # ("shard" | "parity", member index, lo, hi) of a file
-
-
-def _xor_ranges(layout: StripeLayout, x: int, runs: list[tuple[int, int]]
-                ) -> list[tuple[int, list[_Part]]]:
-    """XOR: the runs of member ``x``'s shard cut at segment boundaries; each piece at ``pos``
-    is the XOR of its stripe's parity bytes and the same bytes of every other contributor."""
-    out: list[tuple[int, list[_Part]]] = []
-    seg_size = layout.segment_size
-    for a, b in runs:
-        pos = a
-        while pos < b:
-            seg = pos // seg_size
-            end = min(b, (seg + 1) * seg_size)
-            off, length = pos - seg * seg_size, end - pos
-            j = layout.stripe_of(x, seg)
-            parts: list[_Part] = [("parity", j, off, off + length)]
-            for i in layout.contributors(j):
-                if i != x:
-                    start = layout.segment_for(i, j) * seg_size + off
-                    lo, hi = min(start, layout.lengths[i]), min(start + length, layout.lengths[i])
-                    if hi > lo:
-                        parts.append(("shard", i, lo, hi))
-            out.append((pos, parts))
-            pos = end
-    return out
-
-
-def _rs_ranges(layout: StripeLayout, x: int, runs: list[tuple[int, int]], lost: set[int],
-               no_parity: set[int]) -> list[tuple[int, list[_Part]]]:
-    """RS: every segment of member ``x`` the runs touch, each read from d surviving pieces of
-    its stripe, listed as data positions 0..d-1 then parity pieces (the decoder's order):
-    the contributors that survive (an empty segment needs no bytes) first, then the pieces of
-    holders whose parity file some node holds (``_rebuild_blocker`` made sure enough do)."""
-    seg_size, d = layout.segment_size, layout.data
-    piece = rs_piece_size(layout)
-    segs = sorted({p // seg_size for a, b in runs for p in range(a - a % seg_size, b, seg_size)})
-    out: list[tuple[int, list[_Part]]] = []
-    for seg in segs:
-        j = layout.stripe_of(x, seg)
-        parts: list[_Part] = []
-        for p in range(d):
-            i = layout.contributor_at(j, p)
-            lo, hi = layout.segment_range(i, j)
-            if i != x and (i not in lost or hi == lo):
-                parts.append(("shard", i, lo, hi))
-        for q, h in enumerate(layout.holders(j)):
-            if len(parts) < d and h not in lost and h not in no_parity:
-                parts.append(("parity", h, q * piece, (q + 1) * piece))
-        out.append((seg * seg_size, parts))
-    return out
-
-
-def _fold_rebuilds(store: NodeStore, manifest: Manifest, plans: list[Any],
-                   todo: dict[tuple[int, str], tuple[list[tuple[int, list[torch.Tensor]]], int]],
-                   worker: Callable[[str, int], int], me: int, secs: float
-                   ) -> list[tuple[int, str, str, str | None, int, float, bool]]:
-    """The receiving side of :func:`_run_rebuilds`: XOR the pieces (or RS-decode each
-    segment) into a sparse partial file and check every rebuilt chunk and the index against
-    the manifest."""
-    step = manifest.step
-    red = manifest.redundancy
-    assert red is not None
-    results: list[tuple[int, str, str, str | None, int, float, bool]] = []
-    for s, dst, wanted, g, layout, ranges, unusable in plans:
-        if unusable:
-            if worker(dst, s) == me:
-                results.append((s, REBUILD, dst, "parity unusable: " + unusable, 0, 0.0, True))
-            continue
-        if (s, dst) not in todo:
-            continue  # another rank rebuilds this one
-        pieces, nbytes = todo[(s, dst)]
-        rec = manifest.shard(s)
-        path = store.partial_path(step, s)
-        err = None
-        slot: Slot | None = None
-        code = red.scheme.upper()
-        try:  # every failure is a result, never raised on this rank alone (peers wait for it)
-            store.step_dir(step).mkdir(mode=0o700, parents=True, exist_ok=True)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)  # a sparse file of zeros: XOR starts from nothing
-            slot = Slot(path)
-            slot.ensure(rec.size, prefault=False)
-            with slot.memory as mem:
-                x = g.members.index(s)
-                for (pos, bufs), (_, parts) in zip(pieces, ranges, strict=True):
-                    views = [memoryview(b.numpy()) for b in bufs]  # type: ignore[arg-type]
-                    if red.scheme == "xor":
-                        for v in views:
-                            xor_into(mem[pos:pos + len(v)], v)  # type: ignore[arg-type]
-                        continue
-                    j = layout.stripe_of(x, pos // layout.segment_size)
-                    have = {(layout.segment_for(i, j) if kind == "shard" else layout.data + (i - j) % layout.members): v
-                            for (kind, i, _, _), v in zip(parts, views, strict=True)}
-                    want = layout.segment_for(x, j)
-                    seg = rs_stripe_decode(layout, j, have, [want])[want]
-                    n = min(len(seg), rec.size - pos)
-                    mem[pos:pos + n] = seg[:n]
-                _check_partial(mem, rec, step, wanted,
-                               f"{code} rebuild from parity group {list(g.members)}")
-        except CorruptShardError as e:
-            err = str(e)
-        except Exception as e:  # noqa: BLE001 - e.g. a full tmpfs: the next source is tried
-            err = f"{code} rebuild on node {dst!r}: {type(e).__name__}: {e}"
-        finally:
-            if slot is not None:
-                slot.close()
-        if err is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-        results.append((s, REBUILD, dst, err, nbytes, secs, True))
-    return results
-
-
-def _fetch_durable(store: NodeStore, durable: ObjectStore | None, manifest: Manifest, s: int,
-                   dst: str, ids: set[int] | None) -> tuple[int, str, str, str | None, int, float, bool]:
-    """Download the chunks of shard ``s`` that node ``dst`` needs into a sparse local file."""
-    assert durable is not None
-    t0 = time.perf_counter()
-    rec = manifest.shard(s)
-    wanted = set(range(len(rec.chunks))) if ids is None else ids
-    store.step_dir(manifest.step).mkdir(mode=0o700, parents=True, exist_ok=True)
-    slot = Slot(store.partial_path(manifest.step, s))
-    slot.ensure(rec.size, prefault=False)
-    err, nbytes = None, 0
-    try:
-        with slot.memory as mem:
-            nbytes = fetch_chunks(durable, store.job, manifest, s, wanted, mem)
-    except Exception as e:  # noqa: BLE001 - an unreachable store too: reported, never raised alone
-        err = str(e) if isinstance(e, CorruptShardError) else f"{type(e).__name__}: {e}"
-    finally:
-        slot.close()
-    if err is not None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(slot.path)
-    return (s, DURABLE, dst, err, nbytes, time.perf_counter() - t0, True)
 
 
 def _cleanup(store: NodeStore, is_leader: bool, *, keep_step: int | None, bad: set[int] | None = None) -> None:

@@ -1,0 +1,159 @@
+"""Recovery, step 1-2: every node's inventory of its store, and the choice of the newest step
+that is committed somewhere and whose every shard some node holds (or can rebuild); pure once
+the inventories are gathered (:mod:`.recovery` orchestrates).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aegis._dist import Group
+from aegis.errors import (
+    IncompatibleSnapshotError,
+    ManifestError,
+)
+from aegis.snapshot.manifest import (
+    Layout,
+    Manifest,
+    Redundancy,
+    ShardRecord,
+    StepManifest,
+    assemble_any,
+)
+from aegis.snapshot.node_store import NodeStore
+
+
+@dataclass(frozen=True)
+class _StepInv:
+    committed: bool
+    world_size: int | None
+    shards: tuple[int, ...]
+    parity: tuple[int, ...] = ()  # ranks whose XOR parity stripe this node holds
+    redundancy: Redundancy | None = None  # from this node's manifest, when committed
+    split: bool = False  # committed here as a format-4 step record + layout (assembled at restore)
+
+
+def _rebuild_blocker(red: Redundancy | None, shard: int, held: set[int], parity_held: set[int]
+                     ) -> str | None:
+    """Why the missing ``shard`` cannot be rebuilt from its parity group (None: it can)."""
+    group = red.group_of(shard) if red is not None else None
+    if group is None:
+        return "no parity group covers it"
+    lost = [m for m in group.members if m not in held]
+    k, code = red.parity, red.scheme.upper()  # type: ignore[union-attr]
+    if len(lost) > k:
+        return (f"its {code} parity group (ranks {list(group.members)}) lost the shards of ranks {lost}; "
+                f"{code} parity rebuilds {'one lost member' if k == 1 else f'{k} lost members'} per group")
+    gone = [m for m in group.members if m not in lost and m not in parity_held]
+    if len(lost) + len(gone) > k:
+        return (f"its {code} parity group (ranks {list(group.members)}) lost the parity of rank(s) "
+                f"{gone} as well")
+    return None
+
+
+def _inventory(store: NodeStore) -> tuple[dict[int, _StepInv], list[str]]:
+    """What this node holds, and the steps whose manifest is damaged here (skipped: treated as
+    not committed on this node, its shards still usable against another node's manifest).
+    A manifest of another job or format is no damage: it raises."""
+    out = {}
+    notes: list[str] = []
+    for info in store.steps():
+        world = None
+        red = None
+        committed = info.committed
+        split = False
+        if committed:
+            try:
+                m = store.read_node_manifest(info.step)
+                if isinstance(m, StepManifest):
+                    lnotes: list[str] = []
+                    store.read_layout(m.layout, lnotes)  # an intact copy, or not committed here
+                    notes.extend(f"step {info.step}: {n}" for n in lnotes)
+                    world, split = m.world_size, True
+                else:
+                    world, red = m.world_size, m.redundancy
+            except IncompatibleSnapshotError:
+                raise
+            except ManifestError as e:
+                committed = False
+                notes.append(f"step {info.step}: manifest on node store {store.dir} skipped: {e}")
+        out[info.step] = _StepInv(committed, world, info.shard_ranks, info.parity_ranks, red, split)
+    return out, notes
+
+
+def _choose(invs: dict[str, dict[int, _StepInv]], bad: set[int], durable_steps: list[int],
+            want: int | None = None) -> tuple[int | None, list[str]]:
+    """The newest step committed on some node with every shard held by some node, or committed
+    on the durable tier, whichever is newer (memory preferred for the same step); only ``want``
+    when given."""
+    notes: list[str] = []
+    steps = sorted({s for inv in invs.values() for s, i in inv.items() if i.committed}
+                   | set(durable_steps), reverse=True)
+    if want is not None:
+        if want not in steps:
+            notes.append(f"step {want} is not committed on any node store or the durable tier "
+                         f"(committed: {sorted(steps)[-8:] or 'none'})")
+        steps = [s for s in steps if s == want]
+    for step in steps:
+        if step in bad:
+            continue
+        if step in durable_steps:
+            return step, notes
+        world = next(inv[step].world_size for inv in invs.values() if step in inv and inv[step].committed)
+        assert world is not None
+        held = {s for inv in invs.values() if step in inv for s in inv[step].shards}
+        missing = [s for s in range(world) if s not in held]
+        if missing:
+            red = next((inv[step].redundancy for inv in invs.values()
+                        if step in inv and inv[step].redundancy is not None), None)
+            parity = {p for inv in invs.values() if step in inv for p in inv[step].parity}
+            blockers = {s: _rebuild_blocker(red, s, held, parity) for s in missing}
+            if any(blockers.values()):
+                why = "; ".join(f"rank {s}: {b}" for s, b in blockers.items() if b)
+                notes.append(f"step {step}: shards of rank(s) {missing} missing on every node ({why})")
+                continue
+        return step, notes
+    return None, notes
+
+
+def _assemble_step(store: NodeStore, group: Group, step: int, is_leader: bool, src: int
+                   ) -> tuple[tuple[Manifest, tuple[Layout, StepManifest]] | None, list[str]]:
+    """The whole manifest of a format-4 step, put together on every rank: the first node that
+    committed it sends its layout and step record, every node leader sends the records (from the
+    shards' own crc-checked indexes) of the shards of that step it holds; one all-gather
+    (O(world) records in all: what the whole manifest held, moved once per restore instead of
+    written at every step). A rank whose copies disagree is settled by the step's digest.
+    Returns (manifest, (layout, step record)) or None, and notes on the copies passed over."""
+    parts: tuple[Layout, StepManifest] | None = None
+    records: dict[int, ShardRecord] = {}
+    notes: list[str] = []
+    if is_leader:
+        info = next((i for i in store.steps() if i.step == step), None)
+        for r in info.shard_ranks if info is not None else ():
+            try:
+                records[r] = store.shard_record(step, r)
+            except (OSError, ManifestError) as e:  # this copy's index is damaged: others may do
+                notes.append(f"step {step}: index of rank {r}'s shard on node store {store.dir} "
+                             f"skipped: {e}")
+    if group.rank == src:
+        try:
+            m = store.read_node_manifest(step)
+            assert isinstance(m, StepManifest)
+            parts = (store.read_layout(m.layout), m)
+        except (ManifestError, AssertionError) as e:
+            notes.append(f"step {step}: manifest on node store {store.dir} unreadable: {e}")
+    gathered = group.all_gather((parts, records, notes), "restore records")
+    found = next((p for p, _, _ in gathered if p is not None), None)
+    why = [n for _, _, ns in gathered for n in ns]
+    if found is None:
+        return None, why or [f"step {step}: no readable format-4 manifest"]
+    candidates: dict[int, list[ShardRecord]] = {}
+    for _, recs, _ in gathered:
+        for r, rec in recs.items():
+            candidates.setdefault(r, []).append(rec)
+    layout, stepm = found
+    try:
+        manifest = assemble_any(layout, stepm, candidates, where=f"step {step}")
+    except ManifestError as e:
+        return None, [*why, f"step {step}: {e}"]
+    return (manifest, found), why

@@ -1,0 +1,277 @@
+"""Recovery, step 3: moving shards to the nodes that need them: from a peer node over the
+transport (whole shards, or only the byte ranges read), from the durable tier, verified on
+arrival (crc32c of every chunk).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from aegis._dist import Group
+from aegis.errors import (
+    AegisError,
+    CorruptShardError,
+    ManifestError,
+)
+from aegis.snapshot.durable import fetch_chunks
+from aegis.snapshot.manifest import (
+    ChunkRecord,
+    Manifest,
+)
+from aegis.snapshot.node_store import NodeStore, Slot
+from aegis.snapshot.objstore import ObjectStore
+from aegis.snapshot.shard import (
+    FOOTER_SIZE,
+    check_blob,
+    check_index_matches,
+    crc32c,
+    decode_footer,
+    decode_index,
+    verify_chunks,
+)
+from aegis.snapshot.transport import Recv, Send, Transport
+
+
+def _fixed(view: torch.Tensor) -> Callable[[list[int]], list[torch.Tensor]]:
+    """A Recv allocator that receives into ``view``."""
+    return lambda sizes: [view]
+
+
+def _runs(chunks: list[ChunkRecord], ids: set[int], *, size: int | None = None) -> list[tuple[int, int]]:
+    """Byte ranges [start, end) covering the chunks ``ids``, contiguous chunks merged; with
+    ``size`` (the shard's size) also the index and footer after the last chunk."""
+    spans = [(chunks[i].offset, chunks[i].offset + chunks[i].length) for i in sorted(ids)]
+    if size is not None:
+        spans.append((chunks[-1].offset + chunks[-1].length if chunks else 0, size))
+    out: list[tuple[int, int]] = []
+    for a, b in spans:
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+def _check_partial(mem: memoryview, rec: Any, step: int, ids: set[int], where: str) -> None:
+    """A partial copy: the chunks it holds, and its own index, which must match the manifest."""
+    verify_chunks(mem, rec.chunks, step=step, rank=rec.rank, where=where, only=ids)
+    size = len(mem)
+    try:
+        start, icrc = decode_footer(bytes(mem[size - FOOTER_SIZE:]), size=size, where=where)
+        index = decode_index(bytes(mem[start:size - FOOTER_SIZE]), crc=icrc, size=size, where=where)
+    except ManifestError as e:
+        raise CorruptShardError(f"shard of rank {rec.rank} at step {step}: {e}", step=step,
+                                rank=rec.rank, where=where) from e
+    if icrc != rec.index_crc32c:
+        raise CorruptShardError(f"copy of the shard of rank {rec.rank} from {where} does not match "
+                                "the manifest (index crc32c differs)", step=step, rank=rec.rank, where=where)
+    check_index_matches(index, rec, step=step, where=where)
+
+
+def _run_transfers(
+    store: NodeStore,
+    group: Group,
+    transport: Transport,
+    manifest: Manifest,
+    transfers: list[tuple[int, str, str, Any]],
+    worker: Callable[[str, int], int],
+) -> list[tuple[int, str, str, str | None, int, float, bool]]:
+    """One round of copies between nodes: a whole shard (ids None), the chunks a node needs
+    (a set of chunk ids: their byte runs, the index and footer), or only the byte ranges it
+    reads ((ids, spans): the sender checks those chunks against the manifest first and sends
+    the spans with a crc32c of each, which the receiver checks). Receivers verify what arrives
+    before it is used."""
+    step = manifest.step
+    sends: list[Send] = []
+    recvs: list[Recv] = []
+    opened: list[mmap.mmap] = []
+    incoming: dict[int, tuple[Slot, str, str, set[int] | None]] = {}
+    spans_in: dict[int, tuple[Slot, str, str, list[tuple[int, int]], list[torch.Tensor]]] = {}
+    t0 = time.perf_counter()
+    ranged = [t for t in transfers if isinstance(t[3], tuple)]
+    transfers = [t for t in transfers if not isinstance(t[3], tuple)]
+    for s, src, dst, (ids, spans) in ranged:
+        sender, receiver = worker(src, s), worker(dst, s)
+        rec = manifest.shard(s)
+        total = sum(b - a for a, b in spans)
+        if sender == group.rank:
+            crcs = torch.full((len(spans),), -1, dtype=torch.int64)
+            data = torch.zeros(total, dtype=torch.uint8)
+            try:
+                with open(store.shard_path(step, s), "rb") as f:
+                    if os.fstat(f.fileno()).st_size != rec.size:
+                        raise ValueError("size differs from the manifest")
+                    m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                try:
+                    verify_chunks(m, rec.chunks, step=step, rank=s, where=f"node {src!r}", only=ids)
+                    with warnings.catch_warnings():  # read-only mapping, only read
+                        warnings.simplefilter("ignore", UserWarning)
+                        whole = torch.frombuffer(m, dtype=torch.uint8)
+                    view = memoryview(m)
+                    pos = 0
+                    for i, (a, b) in enumerate(spans):
+                        data[pos:pos + b - a].copy_(whole[a:b])
+                        crcs[i] = crc32c(view[a:b])
+                        pos += b - a
+                    del whole, view
+                finally:
+                    with contextlib.suppress(BufferError):
+                        m.close()
+            except (OSError, ValueError, CorruptShardError):
+                crcs.fill_(-1)  # the receiver rejects it and tries the next source
+            sends.append(Send(receiver, [data, crcs.view(torch.uint8)]))
+        if receiver == group.rank:
+            store.step_dir(step).mkdir(mode=0o700, parents=True, exist_ok=True)
+            slot = Slot(store.partial_path(step, s))
+            slot.ensure(rec.size, prefault=False)  # sparse: only the spans are written
+            bufs = [torch.empty(total, dtype=torch.uint8), torch.empty(8 * len(spans), dtype=torch.uint8)]
+            spans_in[s] = (slot, src, dst, spans, bufs)
+            recvs.append(Recv(sender, _fixed_many(bufs)))
+    for s, src, dst, ids in transfers:
+        sender, receiver = worker(src, s), worker(dst, s)
+        rec = manifest.shard(s)
+        runs = [(0, rec.size)] if ids is None else _runs(list(rec.chunks), ids, size=rec.size)
+        if sender == receiver:
+            raise AegisError("internal: a node fetching from itself")
+        if sender == group.rank:
+            try:
+                with open(store.shard_path(step, s), "rb") as f:
+                    size = os.fstat(f.fileno()).st_size
+                    if size != rec.size:
+                        raise ValueError(f"{size} bytes, the manifest says {rec.size}")
+                    m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                opened.append(m)
+                whole = torch.frombuffer(m, dtype=torch.uint8)
+            except (OSError, ValueError):
+                # The receiver has posted its receives: send as many bytes, which its checks
+                # then reject, so it moves on to the next source instead of waiting out a timeout.
+                whole = torch.zeros(rec.size, dtype=torch.uint8)
+            sends.extend(Send(receiver, [whole[a:b]]) for a, b in runs)
+        if receiver == group.rank:
+            store.step_dir(step).mkdir(mode=0o700, parents=True, exist_ok=True)
+            path = (store.step_dir(step) / f".recv-rank-{s:05d}.shard" if ids is None
+                    else store.partial_path(step, s))
+            slot = Slot(path)
+            # a whole shard is pre-faulted; a partial one stays sparse
+            slot.ensure(rec.size, prefault=ids is None)
+            incoming[s] = (slot, src, dst, ids)
+            for a, b in runs:
+                recvs.append(Recv(sender, _fixed(slot.view[a:b])))
+    try:
+        transport.exchange(sends, recvs)
+    except BaseException:
+        for slot in [x[0] for x in incoming.values()] + [x[0] for x in spans_in.values()]:
+            slot.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(slot.path)
+        raise
+    finally:
+        for m in opened:
+            with contextlib.suppress(BufferError):
+                m.close()
+    secs = time.perf_counter() - t0
+    results = []
+    for s, (slot, src, dst, ids) in sorted(incoming.items()):
+        rec = manifest.shard(s)
+        err = None
+        where = f"copy from node {src!r}"
+        try:
+            with slot.memory as mem:
+                if ids is None:
+                    index, icrc = check_blob(mem, step=step, rank=s, where=where)
+                    if icrc != rec.index_crc32c:
+                        raise CorruptShardError(f"copy of the shard of rank {s} from node {src!r} "
+                                                "does not match the manifest", step=step, rank=s)
+                    check_index_matches(index, rec, step=step, where=where)
+                else:
+                    _check_partial(mem, rec, step, ids, where)
+        except CorruptShardError as e:
+            err = str(e)
+        slot.close()
+        nbytes = sum(b - a for a, b in ([(0, rec.size)] if ids is None
+                                        else _runs(list(rec.chunks), ids, size=rec.size)))
+        if err is None and ids is None:
+            os.replace(slot.path, store.shard_path(step, s))
+        elif err is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(slot.path)
+        results.append((s, src, dst, err, nbytes, secs, ids is not None))
+    for s, (slot, src, dst, spans, bufs) in sorted(spans_in.items()):
+        data, crcs = bufs[0], bufs[1].view(torch.int64)
+        err = None
+        pos = 0
+        for i, (a, b) in enumerate(spans):
+            piece = data[pos:pos + b - a]
+            if int(crcs[i]) < 0:
+                err = f"node {src!r}'s copy of the shard of rank {s} failed its check"
+                break
+            if crc32c(memoryview(piece.numpy())) != int(crcs[i]):  # type: ignore[arg-type]
+                err = f"bytes {a}..{b} of the shard of rank {s} from node {src!r} arrived damaged"
+                break
+            slot.view[a:b].copy_(piece)
+            pos += b - a
+        slot.close()
+        if err is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(slot.path)
+        results.append((s, src, dst, err, data.numel() + crcs.numel() * 8, secs, True))
+    return results
+
+
+def _fixed_many(bufs: list[torch.Tensor]) -> Callable[[list[int]], list[torch.Tensor]]:
+    """A Recv allocator that receives the announced parts into ``bufs`` (sizes must match)."""
+    def alloc(sizes: list[int]) -> list[torch.Tensor]:
+        if sizes != [b.numel() for b in bufs]:
+            raise AegisError(f"expected parts of {[b.numel() for b in bufs]} bytes, announced {sizes}")
+        return bufs
+    return alloc
+
+
+DURABLE = "durable"
+
+
+REBUILD = "rebuild"
+
+
+def _map_local(path: os.PathLike[str] | str) -> tuple[torch.Tensor | None, mmap.mmap | None]:
+    """A private read mapping of a node-store file as uint8 (None when it cannot be read)."""
+    try:
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size == 0:
+                return torch.zeros(0, dtype=torch.uint8), None
+            m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    except OSError:
+        return None, None
+    return torch.frombuffer(m, dtype=torch.uint8), m
+
+
+def _fetch_durable(store: NodeStore, durable: ObjectStore | None, manifest: Manifest, s: int,
+                   dst: str, ids: set[int] | None) -> tuple[int, str, str, str | None, int, float, bool]:
+    """Download the chunks of shard ``s`` that node ``dst`` needs into a sparse local file."""
+    assert durable is not None
+    t0 = time.perf_counter()
+    rec = manifest.shard(s)
+    wanted = set(range(len(rec.chunks))) if ids is None else ids
+    store.step_dir(manifest.step).mkdir(mode=0o700, parents=True, exist_ok=True)
+    slot = Slot(store.partial_path(manifest.step, s))
+    slot.ensure(rec.size, prefault=False)
+    err, nbytes = None, 0
+    try:
+        with slot.memory as mem:
+            nbytes = fetch_chunks(durable, store.job, manifest, s, wanted, mem)
+    except Exception as e:  # noqa: BLE001 - an unreachable store too: reported, never raised alone
+        err = str(e) if isinstance(e, CorruptShardError) else f"{type(e).__name__}: {e}"
+    finally:
+        slot.close()
+    if err is not None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(slot.path)
+    return (s, DURABLE, dst, err, nbytes, time.perf_counter() - t0, True)

@@ -1,0 +1,283 @@
+"""Recovery, step 3 for a shard no node holds: rebuilt from its parity group's survivors (XOR,
+Reed-Solomon), only the stripes of the byte ranges the restore reads, verified on arrival.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from aegis._dist import Group
+from aegis.errors import (
+    CorruptShardError,
+)
+from aegis.snapshot.erasure import StripeLayout, rs_piece_size, rs_stripe_decode, xor_into
+from aegis.snapshot.manifest import (
+    Manifest,
+)
+from aegis.snapshot.node_store import NodeStore, Slot
+from aegis.snapshot.transport import Recv, Send, Transport
+from aegis.training.restore_fetch import (
+    REBUILD,
+    _check_partial,
+    _fixed,
+    _map_local,
+    _runs,
+)
+
+_Part = tuple[str, int, int, int]  # ("shard" | "parity", member index, lo, hi) of a file
+
+
+def _run_rebuilds(
+    store: NodeStore,
+    group: Group,
+    transport: Transport,
+    manifest: Manifest,
+    jobs: list[tuple[int, str, str, set[int] | None]],
+    worker: Callable[[str, int], int],
+    holders: Callable[[int], list[str]],
+    parity_holders: Callable[[int], list[str]],
+) -> list[tuple[int, str, str, str | None, int, float, bool]]:
+    """Rebuild lost shards from their parity groups (collective, like a transfer round).
+
+    For each job (shard ``s`` for node ``dst``, the chunks its DCP plan reads), only what
+    covers the byte runs of those chunks plus the shard's index is rebuilt. XOR: each run is
+    cut at the group's segment boundaries, and for each piece the receiving rank gets the
+    parity of the stripe the piece belongs to and the same bytes of every surviving
+    contributor (read locally when its node holds them) and XORs them into a sparse partial
+    file. RS: each segment the runs touch is decoded from d surviving pieces of its stripe
+    (the other contributors' segments first, then parity pieces). Every rebuilt chunk's
+    crc32c and the index are then checked against the manifest before the file may be
+    loaded. The parity files used are first checked against their recorded crc32c by the
+    ranks that hold them."""
+    step = manifest.step
+    red = manifest.redundancy
+    assert red is not None
+    scheme = red.scheme
+    me = group.rank
+    t0 = time.perf_counter()
+    files: dict[tuple[str, int], torch.Tensor | None] = {}
+    opened: list[mmap.mmap] = []
+
+    def local(kind: str, r: int) -> torch.Tensor | None:
+        if (kind, r) not in files:
+            path = store.shard_path(step, r) if kind == "shard" else store.parity_path(step, r, scheme)
+            files[(kind, r)], m = _map_local(path)
+            if m is not None:
+                opened.append(m)
+        return files[(kind, r)]
+
+    def source(kind: str, r: int, dst: str) -> str:
+        nodes = holders(r) if kind == "shard" else parity_holders(r)
+        return dst if dst in nodes else nodes[0]
+
+    def lost(g: Any) -> set[int]:  # member indices whose shard no node holds
+        return {i for i, m in enumerate(g.members) if not holders(m)}
+
+    def no_parity(g: Any) -> set[int]:  # member indices whose parity file no node holds
+        return {i for i, m in enumerate(g.members) if not parity_holders(m)}
+
+    # 1. every parity file held for the groups involved, checked where it is held
+    checks = sorted({(r, source("parity", r, dst), g.stored, g.parity_crc32c[i])
+                     for s, _, dst, _ in jobs for g in [red.group_of(s)] if g is not None
+                     for i, r in enumerate(g.members) if parity_holders(r)})
+    mine = []
+    for r, n, size, crc in checks:
+        if worker(n, r) == me:
+            try:
+                store.verify_parity(step, r, size, crc, scheme)
+            except CorruptShardError as e:
+                mine.append((r, f"{n}: {e}"))
+    bad = dict(x for xs in group.all_gather(mine, "rebuild parity check") for x in xs)
+    # 2. what each job reads: (kind, member index, lo, hi) per piece, per rebuilt range; RS
+    # reads around missing or corrupt parity while the group's losses stay within k
+    plans = []
+    for s, _, dst, ids in jobs:
+        g = red.group_of(s)
+        assert g is not None
+        layout = red.layout([manifest.shard(m).size for m in g.members])
+        x = g.members.index(s)
+        rec = manifest.shard(s)
+        wanted = set(range(len(rec.chunks))) if ids is None else ids
+        runs = _runs(list(rec.chunks), wanted, size=rec.size)
+        corrupt = {i for i, m in enumerate(g.members) if m in bad}
+        if scheme == "rs":
+            ranges = (_rs_ranges(layout, x, runs, lost(g), no_parity(g) | corrupt)
+                      if len(lost(g) | no_parity(g) | corrupt) <= layout.parity else [])
+            used = corrupt if not ranges else set()
+        else:  # XOR has no other piece: a corrupt parity the runs need ends the rebuild
+            ranges = _xor_ranges(layout, x, runs)
+            used = corrupt & {i for _, parts in ranges for kind, i, _, _ in parts if kind == "parity"}
+            ranges = [] if used else ranges
+        why = "; ".join(bad[g.members[i]] for i in sorted(used)) or (
+            None if ranges else f"more than {layout.parity} member(s) of group {list(g.members)} lost")
+        plans.append((s, dst, wanted, g, layout, ranges, why))
+    # 3. the pieces: sends and receives in one global order, so every pair of ranks matches
+    sends: list[Send] = []
+    recvs: list[Recv] = []
+    todo: dict[tuple[int, str], tuple[list[tuple[int, list[torch.Tensor]]], int]] = {}
+    for s, dst, _wanted, g, _layout, ranges, unusable in plans:
+        if unusable:
+            continue
+        receiver = worker(dst, s)
+        pieces: list[tuple[int, list[torch.Tensor]]] = []
+        nbytes = 0
+        for pos, parts in ranges:
+            bufs: list[torch.Tensor] = []
+            for kind, i, lo, hi in parts:
+                r = g.members[i]
+                if hi == lo:  # an empty segment (a short shard): zeros, from nobody
+                    if receiver == me:
+                        bufs.append(torch.zeros(0, dtype=torch.uint8))
+                    continue
+                src = source(kind, r, dst)
+                if src == dst:
+                    if receiver == me:
+                        data = local(kind, r)
+                        bufs.append(data[lo:hi] if data is not None and data.numel() >= hi
+                                    else torch.zeros(hi - lo, dtype=torch.uint8))
+                    continue
+                sender = worker(src, r)
+                if sender == me:
+                    data = local(kind, r)
+                    # a missing or short file still sends as many bytes (zeros): the
+                    # receiver's crc32c checks reject them instead of waiting out a timeout
+                    sends.append(Send(receiver, [data[lo:hi] if data is not None and data.numel() >= hi
+                                                 else torch.zeros(hi - lo, dtype=torch.uint8)]))
+                if receiver == me:
+                    buf = torch.empty(hi - lo, dtype=torch.uint8)
+                    recvs.append(Recv(sender, _fixed(buf)))
+                    bufs.append(buf)
+                    nbytes += hi - lo
+            if receiver == me:
+                pieces.append((pos, bufs))
+        if receiver == me:
+            todo[(s, dst)] = (pieces, nbytes)
+    try:
+        transport.exchange(sends, recvs)
+        secs = time.perf_counter() - t0
+        return _fold_rebuilds(store, manifest, plans, todo, worker, me, secs)
+    finally:
+        sends.clear()
+        todo.clear()
+        files.clear()
+        for m in opened:
+            with contextlib.suppress(BufferError):
+                m.close()
+
+
+def _xor_ranges(layout: StripeLayout, x: int, runs: list[tuple[int, int]]
+                ) -> list[tuple[int, list[_Part]]]:
+    """XOR: the runs of member ``x``'s shard cut at segment boundaries; each piece at ``pos``
+    is the XOR of its stripe's parity bytes and the same bytes of every other contributor."""
+    out: list[tuple[int, list[_Part]]] = []
+    seg_size = layout.segment_size
+    for a, b in runs:
+        pos = a
+        while pos < b:
+            seg = pos // seg_size
+            end = min(b, (seg + 1) * seg_size)
+            off, length = pos - seg * seg_size, end - pos
+            j = layout.stripe_of(x, seg)
+            parts: list[_Part] = [("parity", j, off, off + length)]
+            for i in layout.contributors(j):
+                if i != x:
+                    start = layout.segment_for(i, j) * seg_size + off
+                    lo, hi = min(start, layout.lengths[i]), min(start + length, layout.lengths[i])
+                    if hi > lo:
+                        parts.append(("shard", i, lo, hi))
+            out.append((pos, parts))
+            pos = end
+    return out
+
+
+def _rs_ranges(layout: StripeLayout, x: int, runs: list[tuple[int, int]], lost: set[int],
+               no_parity: set[int]) -> list[tuple[int, list[_Part]]]:
+    """RS: every segment of member ``x`` the runs touch, each read from d surviving pieces of
+    its stripe, listed as data positions 0..d-1 then parity pieces (the decoder's order):
+    the contributors that survive (an empty segment needs no bytes) first, then the pieces of
+    holders whose parity file some node holds (``_rebuild_blocker`` made sure enough do)."""
+    seg_size, d = layout.segment_size, layout.data
+    piece = rs_piece_size(layout)
+    segs = sorted({p // seg_size for a, b in runs for p in range(a - a % seg_size, b, seg_size)})
+    out: list[tuple[int, list[_Part]]] = []
+    for seg in segs:
+        j = layout.stripe_of(x, seg)
+        parts: list[_Part] = []
+        for p in range(d):
+            i = layout.contributor_at(j, p)
+            lo, hi = layout.segment_range(i, j)
+            if i != x and (i not in lost or hi == lo):
+                parts.append(("shard", i, lo, hi))
+        for q, h in enumerate(layout.holders(j)):
+            if len(parts) < d and h not in lost and h not in no_parity:
+                parts.append(("parity", h, q * piece, (q + 1) * piece))
+        out.append((seg * seg_size, parts))
+    return out
+
+
+def _fold_rebuilds(store: NodeStore, manifest: Manifest, plans: list[Any],
+                   todo: dict[tuple[int, str], tuple[list[tuple[int, list[torch.Tensor]]], int]],
+                   worker: Callable[[str, int], int], me: int, secs: float
+                   ) -> list[tuple[int, str, str, str | None, int, float, bool]]:
+    """The receiving side of :func:`_run_rebuilds`: XOR the pieces (or RS-decode each
+    segment) into a sparse partial file and check every rebuilt chunk and the index against
+    the manifest."""
+    step = manifest.step
+    red = manifest.redundancy
+    assert red is not None
+    results: list[tuple[int, str, str, str | None, int, float, bool]] = []
+    for s, dst, wanted, g, layout, ranges, unusable in plans:
+        if unusable:
+            if worker(dst, s) == me:
+                results.append((s, REBUILD, dst, "parity unusable: " + unusable, 0, 0.0, True))
+            continue
+        if (s, dst) not in todo:
+            continue  # another rank rebuilds this one
+        pieces, nbytes = todo[(s, dst)]
+        rec = manifest.shard(s)
+        path = store.partial_path(step, s)
+        err = None
+        slot: Slot | None = None
+        code = red.scheme.upper()
+        try:  # every failure is a result, never raised on this rank alone (peers wait for it)
+            store.step_dir(step).mkdir(mode=0o700, parents=True, exist_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)  # a sparse file of zeros: XOR starts from nothing
+            slot = Slot(path)
+            slot.ensure(rec.size, prefault=False)
+            with slot.memory as mem:
+                x = g.members.index(s)
+                for (pos, bufs), (_, parts) in zip(pieces, ranges, strict=True):
+                    views = [memoryview(b.numpy()) for b in bufs]  # type: ignore[arg-type]
+                    if red.scheme == "xor":
+                        for v in views:
+                            xor_into(mem[pos:pos + len(v)], v)  # type: ignore[arg-type]
+                        continue
+                    j = layout.stripe_of(x, pos // layout.segment_size)
+                    have = {(layout.segment_for(i, j) if kind == "shard" else layout.data + (i - j) % layout.members): v
+                            for (kind, i, _, _), v in zip(parts, views, strict=True)}
+                    want = layout.segment_for(x, j)
+                    seg = rs_stripe_decode(layout, j, have, [want])[want]
+                    n = min(len(seg), rec.size - pos)
+                    mem[pos:pos + n] = seg[:n]
+                _check_partial(mem, rec, step, wanted,
+                               f"{code} rebuild from parity group {list(g.members)}")
+        except CorruptShardError as e:
+            err = str(e)
+        except Exception as e:  # noqa: BLE001 - e.g. a full tmpfs: the next source is tried
+            err = f"{code} rebuild on node {dst!r}: {type(e).__name__}: {e}"
+        finally:
+            if slot is not None:
+                slot.close()
+        if err is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        results.append((s, REBUILD, dst, err, nbytes, secs, True))
+    return results
