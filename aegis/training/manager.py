@@ -17,68 +17,42 @@ from __future__ import annotations
 
 import contextlib
 import os
-import pickle
 import time
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
-import crc32c
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.tensor import DTensor
 
 from aegis._dist import Group, new_snapshot_group, node_id
 from aegis.errors import (
     AegisError,
     ConfigError,
-    PerRankStateError,
-    StateMismatchError,
     StepOrderError,
 )
 from aegis.goodput import AutoInterval, daly_interval
 from aegis.snapshot.codec import Codec
 from aegis.snapshot.durable import Uploader, UploadResult, clean_uncommitted, list_steps
 from aegis.snapshot.engine import SnapshotEngine, SnapshotHandle, SnapshotResult, format_bytes
-from aegis.snapshot.manifest import Commit, Manifest, TensorEntry, dtype_from_name
+from aegis.snapshot.manifest import Commit
 from aegis.snapshot.node_store import NodeStore
 from aegis.snapshot.objstore import open_store
 from aegis.snapshot.staging import Deferral
 from aegis.snapshot.transport import GlooTransport
 from aegis.training import inprocess
 from aegis.training.config import ManagerConfig
+from aegis.training.entries import _APP, StateEntries, check_built_in_round
 from aegis.training.events import EventLog
-from aegis.training.recovery import RestoreResult, check_keys, restore_newest
+from aegis.training.recovery import RestoreResult, restore_newest
 from aegis.training.state import (
     ModelOptimizerState,
-    PerRank,
-    Reshard,
-    _hook,
-    _Wrapper,
     check_state,
-    rng_state,
-    set_rng_state,
-    state_kind,
 )
 
 __all__ = ["Manager"]
 
-_APP = "app"
-_RNG = "rng"
-_PER_RANK = "per_rank"
-
-
-def _skips_restore(obj: Any) -> bool:
-    """An entry that is saved but never loaded (``aegis_skip_restore = True`` on the object, as
-    the torchtitan backend's ``exclude_from_loading`` sets): left out of the restore's state
-    dict, its key check and its load."""
-    while obj is not None:
-        if getattr(obj, "aegis_skip_restore", False) is True:
-            return True
-        obj = obj.obj if isinstance(obj, _Wrapper) else None  # per_rank()/replicated()
-    return False
 
 
 class Manager:
@@ -186,11 +160,8 @@ class Manager:
         self._durable_mark = 0  # auto: the step of the last durable upload decided
         check_state(state)
         if inprocess.in_process_round():
-            _check_built_in_round(state)
+            check_built_in_round(state)
         self.state = dict(state)
-        # name -> kind (sharded / per_rank / replicated), learnt at the first state dict; the
-        # engine writes it into each manifest
-        self._kinds: dict[str, str] = {}
         self._restore_called = False
         self._newest_durable = 0
         self.node = node_id()
@@ -212,6 +183,10 @@ class Manager:
         self.store = NodeStore(self.config.store_root, self.config.job)
         self.events = EventLog(self.config.events_root, job=job, rank=self.rank,
                                verbose=self.config.verbose)
+        # the entries as one nested state dict and back (name -> kind learnt at the first state
+        # dict; the engine writes the kinds into each manifest)
+        self.entries = StateEntries(self.state, rank=self.rank, world=self.world, group=self.group,
+                                    events=self.events, rng=self.config.rng, debug=self.config.debug)
         self.engine = SnapshotEngine(
             self.store,
             self.group,
@@ -230,7 +205,7 @@ class Manager:
             upload_filter=self._upload_due if self.durable_store is not None else None,
             on_commit=self._submit_upload,
             extra_snapshots=self.config.durable_max_pending + 1 if self.durable_store else 0,
-            state_kinds=self._kinds,
+            state_kinds=self.entries.kinds,
             # in a round of in-process recovery the world may be left uneven (a lost worker):
             # keep snapshots replicated rather than fail every process; at a job's start an
             # impossible layout is still an error
@@ -296,169 +271,6 @@ class Manager:
                              f"{self.config.parity}: the smallest parity group of this world has "
                              f"{smallest} node(s), so they use {now}")
 
-    # -- state ---------------------------------------------------------------------------------
-
-    def _rng_key(self, rank: int) -> str:
-        return f"rank{rank:05d}"
-
-    def _kind(self, name: str, obj: Any, sd: Any) -> str:
-        kind = self._kinds.get(name)
-        if kind is None:
-            kind = self._kinds[name] = state_kind(obj, sd)
-        return kind
-
-    def _state_dict(self, manifest: Manifest | None = None) -> dict[str, Any]:
-        """The nested state dict that DCP saves or loads into (``manifest``: for a restore).
-
-        Per-rank entries live under ``per_rank.rankNNNNN.<name>`` (RNG under
-        ``rng.rankNNNNN``): keys no other rank has, so DCP keeps every rank's copy. Restoring
-        into another world size, an entry with a reshard function loads every old rank's state
-        (templates built from the manifest); see :func:`aegis.per_rank`.
-        """
-        if manifest is not None:
-            for obj in self.state.values():
-                if isinstance(obj, ModelOptimizerState):
-                    obj.prepare_for_load()
-        app: dict[str, Any] = {}
-        mine: dict[str, Any] = {}
-        for name, obj in self.state.items():
-            if manifest is not None and _skips_restore(obj):
-                continue  # saved, never loaded (torchtitan's exclude_from_loading)
-            osd = obj.state_dict()
-            if self._kind(name, obj, osd) == "per_rank":
-                mine[name] = osd
-            else:
-                app[name] = osd
-        sd: dict[str, Any] = {_APP: app}
-        if manifest is None:
-            if mine:
-                sd[_PER_RANK] = {self._rng_key(self.rank): mine}
-            if self.config.debug:
-                self._check_replicated(app)
-        elif mine:
-            sd[_PER_RANK] = self._per_rank_targets(mine, manifest)
-        if self.config.rng:
-            key = self._rng_key(self.rank)
-            # On restore, a rank that did not exist when the snapshot was taken keeps its RNG.
-            if manifest is None or any(k.startswith(f"{_RNG}.{key}.") for k in manifest.entries):
-                sd[_RNG] = {key: rng_state()}
-        return sd
-
-    def _resharder(self, name: str) -> Reshard | str:
-        obj = self.state[name]
-        if isinstance(obj, PerRank):
-            return obj.resharder() or str(obj.on_reshard)
-        return _hook(obj) or "error"
-
-    def _per_rank_targets(self, mine: dict[str, Any], m: Manifest) -> dict[str, Any]:
-        """What this rank loads of the per-rank entries of snapshot ``m``."""
-        if m.world_size == self.world:
-            return {self._rng_key(self.rank): mine}
-        stuck = [n for n in mine if m.state_kinds.get(n) == "per_rank" and self._resharder(n) == "error"]
-        if stuck:
-            raise PerRankStateError(
-                f"per-rank state {stuck} was saved by {m.world_size} rank(s) at step {m.step} and "
-                f"this job has {self.world}: each rank's state has no owner in the new world. Give "
-                "the object a reshard_state_dicts(states, rank, world_size) method, or wrap it with "
-                "aegis.per_rank(obj, on_reshard=fn) to compute each new rank's state from all old "
-                "ones, or on_reshard='fresh' to start it over; declare it aegis.replicated(obj) "
-                f"if it is the same on every rank; or restart with {m.world_size} rank(s)"
-            )
-        out: dict[str, Any] = {}
-        for name in mine:
-            if callable(self._resharder(name)):
-                for k in range(m.world_size):
-                    out.setdefault(self._rng_key(k), {})[name] = {}
-        # Templates from the manifest: DCP names each flattened key by its path (planner_data),
-        # and loads into tensors of the saved dtype and shape (byte items need no template).
-        root: dict[str, Any] = {_PER_RANK: out}
-        for fqn, path in m.planner_data.items():
-            if len(path) > 3 and path[0] == _PER_RANK and path[2] in out.get(str(path[1]), {}):
-                entry = m.entries[fqn]
-                value = (torch.empty(entry.size, dtype=dtype_from_name(entry.dtype))
-                         if isinstance(entry, TensorEntry) else None)
-                set_element(root, path, value)
-        return out
-
-    def _check_replicated(self, app: dict[str, Any]) -> None:
-        """debug=True: every replicated entry must be equal on every rank."""
-        names = [n for n in app if self._kinds.get(n) == "replicated"]
-        if not names:
-            return
-        digests = []
-        for name in names:
-            flat, _ = flatten_state_dict(app[name])
-            crc = 0
-            for key in sorted(flat):
-                v = flat[key]
-                data = (v.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
-                        if isinstance(v, torch.Tensor) else pickle.dumps(v))
-                crc = crc32c.crc32c(key.encode() + data, crc)
-            digests.append(crc)
-        every = self.group.all_gather(digests, "replicated check")
-        differ = [n for i, n in enumerate(names) if len({d[i] for d in every}) > 1]
-        if differ:
-            raise StateMismatchError(
-                f"entries {differ} are declared replicated but differ between ranks (debug=True "
-                "check); declare them aegis.per_rank(...) or make every rank hold the same state"
-            )
-
-    def _check_restore(self, sd: dict[str, Any], m: Manifest) -> None:
-        """Before anything is loaded: the snapshot has this state's entries, of the same kinds,
-        with the same keys (this rank's own per-rank keys when the world size is the same)."""
-        theirs = dict(m.state_kinds)
-        missing = sorted(set(self.state) - set(theirs))
-        unexpected = sorted(set(theirs) - set(self.state))
-        changed = [f"{n!r} saved {theirs[n]}, declared {self._kinds[n]}" for n in self.state
-                   if n in theirs and n in self._kinds and theirs[n] != self._kinds[n]]
-        if missing or unexpected or changed:
-            parts = ([f"missing from the snapshot: {missing}"] if missing else []) + (
-                [f"unexpected (in the snapshot, not in this state): {unexpected}"] if unexpected else []
-            ) + ([f"declared differently: {'; '.join(changed)}"] if changed else [])
-            raise StateMismatchError(
-                f"the state does not match the snapshot of step {m.step}: {'; '.join(parts)}. Build "
-                "the same state names, declared the same way (per_rank/replicated), as the run that "
-                "saved it, or use another job"
-            )
-        skipped = {n for n, obj in self.state.items() if _skips_restore(obj)}
-
-        def loaded(k: str) -> bool:  # not a key of an entry that is saved but never loaded
-            parts = k.split(".", 3)
-            return not skipped or not ((parts[0] == _APP and len(parts) > 1 and parts[1] in skipped)
-                                       or (parts[0] == _PER_RANK and len(parts) > 2
-                                           and parts[2] in skipped))
-
-        check_keys(sd, m, include=lambda k: not k.startswith((f"{_RNG}.", f"{_PER_RANK}."))
-                   and loaded(k))
-        if m.world_size == self.world:
-            own = f"{_PER_RANK}.{self._rng_key(self.rank)}."
-            check_keys(sd, m, include=lambda k: k.startswith(own) and loaded(k))
-
-    def _apply(self, sd: dict[str, Any], manifest: Manifest) -> None:
-        per = sd.get(_PER_RANK, {})
-        fresh = []
-        for name, obj in self.state.items():
-            if _skips_restore(obj):
-                continue
-            if self._kinds.get(name) != "per_rank":
-                obj.load_state_dict(sd[_APP][name])
-            elif manifest.world_size == self.world:
-                obj.load_state_dict(per[self._rng_key(self.rank)][name])
-            else:
-                fn = self._resharder(name)
-                if callable(fn):
-                    states = [per[self._rng_key(k)][name] for k in range(manifest.world_size)]
-                    obj.load_state_dict(fn(states, self.rank, self.world))
-                else:
-                    fresh.append(name)
-        if fresh:
-            self.events.warn(
-                f"per-rank state {fresh} not restored: saved by {manifest.world_size} rank(s), "
-                f"loaded by {self.world}; on_reshard='fresh', so it starts over"
-            )
-        rng = sd.get(_RNG, {}).get(self._rng_key(self.rank))
-        if rng is not None:
-            set_rng_state(rng)
 
     def _find_existing(self) -> int:
         """The newest committed step of this job on any node store or the durable tier (0: none);
@@ -523,9 +335,9 @@ class Manager:
             durable=self.durable_store,
             node=self.node,
             nodes=self.engine.nodes,
-            make_state=self._state_dict,
-            check_state=self._check_restore,
-            apply_state=self._apply,
+            make_state=self.entries.state_dict,
+            check_state=self.entries.check_restore,
+            apply_state=self.entries.apply,
             is_leader=self.engine.is_leader,
             step=step,
         )
@@ -663,7 +475,7 @@ class Manager:
         assert isinstance(self.config.every, int)
         if step % self.config.every:
             return None
-        handle = self.engine.save(step, self._state_dict)
+        handle = self.engine.save(step, self.entries.state_dict)
         inprocess.Round.saves += 1
         return self._joined(handle)
 
@@ -694,7 +506,7 @@ class Manager:
 
         def state_dict() -> dict[str, Any]:
             self._auto_update(step, step_s)
-            return self._state_dict()
+            return self.entries.state_dict()
 
         handle = self.engine.save(step, state_dict)
         inprocess.Round.saves += 1
@@ -914,36 +726,3 @@ class Manager:
             )
 
 
-def _check_built_in_round(state: Mapping[str, Any]) -> None:
-    """Under :func:`aegis.run_in_process` a model must be built inside the function it re-runs:
-    one sharded on the process group of a failed round would fail at its first collective. Name
-    what to move instead."""
-    from torch.distributed.distributed_c10d import _world
-
-    for name, obj in state.items():
-        if not isinstance(obj, ModelOptimizerState):
-            continue
-        for pg in _fsdp_groups(obj.model):
-            if pg not in _world.pg_map:
-                raise ConfigError(
-                    f"state[{name!r}]: the model is sharded on a process group of an earlier round, "
-                    "which in-process recovery has destroyed. Build the device mesh, the model "
-                    "(fully_shard), the optimizer and the Manager inside the function given to "
-                    "aegis.run_in_process, so that each round builds them anew"
-                )
-
-
-def _fsdp_groups(model: Any) -> list[Any]:
-    """The process groups FSDP2 communicates on for ``model`` (its shard groups)."""
-    out = []
-    for m in model.modules():
-        get_state = getattr(m, "_get_fsdp_state", None)
-        if get_state is None:
-            continue
-        try:
-            group = get_state()._fsdp_param_group
-            if group is not None:
-                out.append(group.mesh_info.shard_process_group)
-        except Exception:  # noqa: BLE001 - FSDP internals moved: no check rather than a false alarm
-            continue
-    return out
