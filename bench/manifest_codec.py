@@ -35,14 +35,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import RESULTS, f, new_doc, text_table, write_doc  # noqa: E402
 
-from aegis.snapshot.manifest import (  # noqa: E402
-    ChunkRecord,
-    ItemRecord,
-    Manifest,
-    ShardRecord,
-    TensorEntry,
-    load_node_manifest,
-)
+from aegis.snapshot.manifest import ChunkRecord, ItemRecord, Manifest, ShardRecord, TensorEntry
+from aegis.snapshot.node_manifest import load_node_manifest
 
 
 def manifest(world: int, tensors: int, cols: int = 64) -> Manifest:

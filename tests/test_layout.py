@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from aegis.snapshot.manifest import StepManifest
+from aegis.snapshot.node_manifest import StepManifest
 from aegis.snapshot.node_store import NodeStore
 from tests.dist_utils import run_ranks
 from tests.models import build, full_state, train_step

@@ -134,7 +134,13 @@ def test_not_json() -> None:
 
 
 def test_format4_split_and_assemble_round_trip() -> None:
-    from aegis.snapshot.manifest import Layout, StepManifest, assemble, load_node_manifest, split
+    from aegis.snapshot.node_manifest import (
+        Layout,
+        StepManifest,
+        assemble,
+        load_node_manifest,
+        split,
+    )
 
     m = sample()
     layout, step = split(m)
@@ -152,7 +158,7 @@ def test_format4_split_and_assemble_round_trip() -> None:
 def test_format4_rejects_a_shard_record_that_is_not_the_committed_one() -> None:
     import dataclasses
 
-    from aegis.snapshot.manifest import assemble, assemble_any, split
+    from aegis.snapshot.node_manifest import assemble, assemble_any, split
 
     m = sample()
     layout, step = split(m)
@@ -172,7 +178,7 @@ def test_format4_rejects_a_shard_record_that_is_not_the_committed_one() -> None:
 def test_a_layout_read_again_is_checked_by_its_bytes_and_damage_is_still_found() -> None:
     import dataclasses
 
-    from aegis.snapshot import manifest as mf
+    from aegis.snapshot import node_manifest as mf
 
     layout, _ = mf.split(sample())
     text = layout.to_json().encode()
@@ -201,7 +207,7 @@ def test_a_layout_read_again_is_checked_by_its_bytes_and_damage_is_still_found()
 
 
 def test_format4_damage_and_version_rules() -> None:
-    from aegis.snapshot.manifest import Layout, load_node_manifest, split
+    from aegis.snapshot.node_manifest import Layout, load_node_manifest, split
 
     layout, step = split(sample())
     text = step.to_json().replace('"total_bytes":', '"total_bytes":1')
@@ -218,7 +224,8 @@ def test_format4_damage_and_version_rules() -> None:
 
 
 def test_text_checksum_is_checked_on_the_bytes_and_other_forms_the_usual_way() -> None:
-    from aegis.snapshot.manifest import load_node_manifest, text_checksum_ok
+    from aegis.snapshot.manifest import text_checksum_ok
+    from aegis.snapshot.node_manifest import load_node_manifest
 
     m = sample()
     text = m.to_json()

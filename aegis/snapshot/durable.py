@@ -39,7 +39,8 @@ from aegis import _fault
 from aegis._dist import Group
 from aegis.errors import AegisError, CorruptShardError, ManifestError
 from aegis.snapshot.codec import Codec, decode
-from aegis.snapshot.manifest import ChunkRecord, Commit, Manifest, assemble
+from aegis.snapshot.manifest import ChunkRecord, Commit, Manifest
+from aegis.snapshot.node_manifest import assemble
 from aegis.snapshot.node_store import NodeStore
 from aegis.snapshot.objstore import ObjectNotFound, ObjectStore, PreconditionFailed
 from aegis.snapshot.retry import RetryPolicy

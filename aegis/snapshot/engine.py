@@ -67,15 +67,13 @@ from aegis.snapshot.manifest import (
     BytesEntry,
     Commit,
     EncodedManifest,
-    Layout,
     Manifest,
     ParityGroup,
     Redundancy,
     ShardRecord,
-    StepManifest,
     TensorEntry,
-    shards_digest,
 )
+from aegis.snapshot.node_manifest import Layout, StepManifest, shards_digest
 from aegis.snapshot.node_store import NodeStore, Slot
 from aegis.snapshot.placement import Placement, parity_groups
 from aegis.snapshot.shard import ShardLayout, check_blob, plan_layout

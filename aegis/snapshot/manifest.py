@@ -16,15 +16,11 @@ snapshot. Every format version keeps this rule, so a flipped ``format_version`` 
 
 from __future__ import annotations
 
-import json
 import math
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import crc32c as _crc32c
 import torch
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -36,7 +32,19 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from aegis.errors import IncompatibleSnapshotError, ManifestError
+from aegis.snapshot.checked_json import (  # noqa: F401 - re-exported
+    _HEX8,
+    _SUM_PREFIX,
+    body_checksum,
+    check_checksum,
+    dumps_with_checksum,
+    load_json,
+    text_checksum_ok,
+)
 from aegis.snapshot.erasure import StripeLayout, stripe_layout
+
+if TYPE_CHECKING:  # Commit's fields (format 4 builds on this module)
+    from aegis.snapshot.node_manifest import Layout, StepManifest
 
 __all__ = [
     "FORMAT_VERSION",
@@ -54,14 +62,7 @@ __all__ = [
     "dtype_name",
     "dtype_from_name",
     "NODE_FORMAT_VERSION",
-    "Layout",
-    "StepManifest",
-    "shards_digest",
-    "assemble",
-    "assemble_any",
-    "split",
     "Commit",
-    "load_node_manifest",
 ]
 
 FORMAT_VERSION = 3  # 2: manifest checksum, per-rank state kinds; 3: parity groups
@@ -81,37 +82,6 @@ STATE_KINDS = ("sharded", "per_rank", "replicated")
 
 _MAX_SIZE = 1 << 50  # 1 PiB: anything larger in a manifest is corrupt, not a real snapshot
 MAX_WORLD_SIZE = 100_000  # shard paths and keys hold the rank in 5 digits ("rank-00042")
-
-
-def load_json(text: str | bytes, *, what: str, where: str) -> Any:
-    """``json.loads`` for bytes nobody vouches for: a key given twice (which ``json.loads`` would
-    silently resolve to the last one) and nesting too deep for the decoder are
-    :class:`ManifestError`, like any text that is not JSON."""
-    try:
-        return json.loads(text, object_pairs_hook=_unique_keys)
-    except _DuplicateKey as e:
-        raise ManifestError(
-            f"{where}: {what} has the duplicate key {e.key!r}; a writer never repeats a key, so the "
-            "file is damaged or forged"
-        ) from None
-    except RecursionError:
-        raise ManifestError(f"{where}: {what} is nested too deep to be a real one; the file is damaged") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ManifestError(f"{where}: {what} is not valid JSON ({e}); the file is damaged") from e
-
-
-class _DuplicateKey(Exception):
-    def __init__(self, key: str) -> None:
-        self.key = key
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise _DuplicateKey(k)
-        out[k] = v
-    return out
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -545,71 +515,11 @@ class EncodedManifest:
         return cls(m.step, m.to_json().encode(), m.total_bytes)
 
 
-def body_checksum(doc: Mapping[str, Any]) -> str:
-    """``crc32c:<8 hex digits>`` of the canonical JSON of ``doc`` without its ``checksum``."""
-    body = {k: v for k, v in doc.items() if k != "checksum"}
-    text = json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
-    return f"crc32c:{_crc32c.crc32c(text):08x}"
-
-
-def dumps_with_checksum(body: Mapping[str, Any]) -> str:
-    """The canonical JSON of ``body`` with its :func:`body_checksum` added, encoded once: the
-    checksum is spliced in before the body's first key (``checksum`` sorts before every key a
-    manifest, layout or step record has; else the document is encoded again). Byte for byte
-    what ``json.dumps({**body, "checksum": ...}, sort_keys=True)`` writes, at half the cost
-    (a parity scheme's whole manifest is written at every step: ~10 ms for 6 ranks idle)."""
-    text = json.dumps(body, separators=(",", ":"), sort_keys=True)
-    tag = f"crc32c:{_crc32c.crc32c(text.encode()):08x}"
-    if not body or min(body) <= "checksum":
-        return json.dumps({**body, "checksum": tag}, separators=(",", ":"), sort_keys=True)
-    return '{"checksum":' + json.dumps(tag) + "," + text[1:]
-
-
 def _entry_to_doc(v: TensorEntry | BytesEntry) -> dict[str, Any]:
     if isinstance(v, TensorEntry):  # what dataclasses.asdict gives, without its deep copy
         return {"kind": "tensor", "dtype": v.dtype, "size": v.size, "chunks": v.chunks,
                 "requires_grad": v.requires_grad}
     return {"kind": "bytes"}
-
-
-_SUM_PREFIX = b'{"checksum":"crc32c:'
-_HEX8 = re.compile(rb"[0-9a-f]{8}")
-
-
-def text_checksum_ok(text: str | bytes) -> bool:
-    """True when ``text`` is a document as :func:`dumps_with_checksum` writes it (the checksum
-    first, then the canonical body) and the checksum matches the body's bytes as they are:
-    verified at C speed, without encoding the parsed document again (a restore reads every
-    step's manifest on every node). False: not in that form, or not matching; the caller checks
-    the parsed document the usual way (:func:`check_checksum`), which names what is wrong."""
-    b = text if isinstance(text, bytes) else text.encode()
-    n = len(_SUM_PREFIX)
-    if not b.startswith(_SUM_PREFIX) or b[n + 8:n + 10] != b'",' or not _HEX8.fullmatch(b[n:n + 8]):
-        return False
-    return _crc32c.crc32c(memoryview(b)[n + 10:], _crc32c.crc32c(b"{")) == int(b[n:n + 8], 16)
-
-
-def check_checksum(d: dict[str, Any], where: str) -> None:
-    """Raise ManifestError unless ``d`` carries the checksum of its own canonical body."""
-    got = d.get("checksum")
-    if got is None:
-        version = d.get("format_version")
-        if version == 1:
-            raise IncompatibleSnapshotError(
-                f"{where}: written by an older aegis (format version 1, before manifests carried a "
-                f"checksum); this aegis reads format {FORMAT_VERSION}. Restore or export it with the "
-                "aegis that wrote it, or start a new job name"
-            )
-        raise ManifestError(f"{where}: manifest has no checksum; the file is damaged or forged")
-    try:
-        want = body_checksum(d)
-    except (TypeError, ValueError) as e:  # a doc that did not come from JSON text
-        raise ManifestError(f"{where}: manifest is not a JSON document ({e})") from None
-    if got != want:
-        raise ManifestError(
-            f"{where}: manifest fails its checksum ({got!r} recorded, {want!r} computed): it was "
-            "damaged after it was written; this copy is not used"
-        )
 
 
 def _shard_to_doc(s: ShardRecord) -> dict[str, Any]:
@@ -866,270 +776,6 @@ class _Parser:
             raise self.fail(f"{what} is missing field(s) {sorted(missing)}")
         if unknown:
             raise self.fail(f"{what} has unknown field(s) {sorted(unknown)}")
-
-
-# -- format 4: a node store's manifest split into a layout and a step record (issue 24) ----------
-#
-# A whole manifest holds every rank's shard record (chunks and items: about 140 bytes per item,
-# 0.4 MB per rank of a 70B model), and every node wrote it at every step: O(world) per node per
-# step. Between two steps of one plan nothing in it changes but sizes, checksums and the step.
-# So a node store keeps, per plan, one Layout (what the state is and where each rank sits: DCP's
-# entries and planner data, state kinds, each rank's node), written once, and per step one
-# StepManifest of constant size: the step, its layout's digest, and a digest over every rank's
-# (shard size, index crc32c). Each shard's own index (crc-checked, at the end of its file)
-# already holds that rank's chunk and item records; :func:`assemble` puts a whole Manifest back
-# together from the layout, the step record and the shards' indexes wherever they are, and
-# checks them against the digest. The durable tier keeps whole manifests (formats 2 and 3).
-
-
-def _sha(doc: Any) -> str:
-    import hashlib
-
-    text = json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
-    return hashlib.sha256(text).hexdigest()
-
-
-def shards_digest(pairs: Sequence[tuple[int, int]]) -> str:
-    """``sha256:<hex>`` of every rank's (shard size, index crc32c), in rank order."""
-    return "sha256:" + _sha([[int(a), int(b)] for a, b in pairs])
-
-
-@dataclass(frozen=True)
-class Layout:
-    """What one plan of a job's snapshots is: written once per plan to
-    ``<job>/layouts/layout-<digest>.json`` on every node (O(world x tensors), once)."""
-
-    job: str
-    world_size: int
-    nodes: tuple[str, ...]  # node of each rank
-    entries: Mapping[str, TensorEntry | BytesEntry]
-    planner_data: Mapping[str, tuple[str | int, ...]] = field(default_factory=dict)
-    state_kinds: Mapping[str, str] = field(default_factory=dict)
-    mesh: Mapping[str, Any] = field(default_factory=dict)
-
-    def doc(self) -> dict[str, Any]:
-        d: dict[str, Any] = {
-            "format_version": NODE_FORMAT_VERSION,
-            "kind": "layout",
-            "job": self.job,
-            "world_size": self.world_size,
-            "nodes": list(self.nodes),
-            "entries": {k: _entry_to_doc(v) for k, v in self.entries.items()},
-            "planner_data": {k: list(v) for k, v in self.planner_data.items()},
-            "state_kinds": dict(self.state_kinds),
-            "mesh": dict(self.mesh),
-        }
-        d["checksum"] = body_checksum(d)
-        return d
-
-    @cached_property
-    def digest(self) -> str:
-        """16 hex digits of the sha256 of the canonical document: its file name. Computed once
-        per object (a layout is immutable): the engine names the layout at every commit, and
-        building the document cost 14 ms for the 131 entries of the example's tiny model
-        (O(world x tensors))."""
-        return _sha(self.doc())[:16]
-
-    def to_json(self) -> str:
-        return json.dumps(self.doc(), separators=(",", ":"), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str | bytes, *, where: str = "layout") -> Layout:
-        p = _Parser(where)
-        d = p.obj(load_json(text, what="layout", where=where), "layout")
-        check_checksum(d, where)
-        version = p.int_(d.get("format_version", -1), "format_version")
-        if version != NODE_FORMAT_VERSION or d.get("kind") != "layout":
-            raise ManifestError(f"{where}: not a format-{NODE_FORMAT_VERSION} layout")
-        p.fields(d, "layout", required={"format_version", "kind", "job", "world_size", "nodes",
-                                        "entries", "checksum"},
-                 optional={"planner_data", "state_kinds", "mesh"})
-        world = p.int_(d["world_size"], "world_size", lo=1, hi=MAX_WORLD_SIZE)
-        nodes = tuple(p.str_(x, "nodes[]") for x in p.list_(d["nodes"], "nodes"))
-        if len(nodes) != world:
-            raise p.fail(f"{len(nodes)} nodes for world_size {world}")
-        # the entries, planner data and kinds parse exactly as a whole manifest's do
-        skeleton = {"format_version": _PLAIN_FORMAT_VERSION, "job": d["job"], "step": 0,
-                    "world_size": 1, "entries": d["entries"], "planner_data": d.get("planner_data", {}),
-                    "state_kinds": d.get("state_kinds", {}), "mesh": d.get("mesh", {}),
-                    "shards": [{"rank": 0, "node": "", "size": 0, "index_crc32c": 0, "chunks": [],
-                                "items": []}]}
-        skeleton["checksum"] = body_checksum(skeleton)
-        # a layout has no shards: that some shard stores each entry is checked by assemble()
-        m = Manifest.from_doc(skeleton, where=where, _stored=False)
-        return cls(job=m.job, world_size=world, nodes=nodes, entries=m.entries,
-                   planner_data=m.planner_data, state_kinds=m.state_kinds, mesh=m.mesh)
-
-
-_LAYOUT_CACHE_SIZE = 8
-_layouts: dict[bytes, Layout] = {}  # sha256 of a layout file's bytes -> the Layout they parsed to
-
-
-def parse_layout(text: bytes, digest: str, *, where: str = "layout") -> Layout:
-    """The layout in ``text``, checked to hash to its name ``digest`` (a
-    :class:`ManifestError` if it does not: damaged).
-
-    Bytes already checked by this process are not parsed and hashed again: a layout is content
-    addressed, so the same bytes (their sha256) under the same name are the same checked layout.
-    A restore reads a plan's layout once per node store it inventories, and the parse and the
-    canonical re-hash cost 28 ms each time for the 131 entries of the example's tiny model.
-    The cache holds the last ``_LAYOUT_CACHE_SIZE`` layouts (one per plan: O(world x tensors)
-    each, as the file)."""
-    import hashlib
-
-    sha = hashlib.sha256(text)
-    key = sha.digest()
-    # the bytes written under this name (``to_json``) hash to it: checked without building the
-    # canonical document again; other bytes that parse (re-serialized by hand) must still have
-    # the canonical document of the name
-    raw_ok = sha.hexdigest()[:16] == digest
-    layout = _layouts.get(key)
-    if layout is None or not (raw_ok or layout.digest == digest):
-        layout = Layout.from_json(text, where=where)
-        if not raw_ok and layout.digest != digest:
-            raise ManifestError(f"{where} does not hash to its name ({layout.digest}): damaged")
-        if raw_ok:  # the canonical bytes: their document's digest is the name (round trip)
-            object.__setattr__(layout, "digest", digest)
-        _layouts.pop(key, None)
-        while len(_layouts) >= _LAYOUT_CACHE_SIZE:
-            _layouts.pop(next(iter(_layouts)))
-    else:
-        del _layouts[key]  # re-inserted below: the most recently used is last
-    _layouts[key] = layout
-    return layout
-
-
-@dataclass(frozen=True)
-class StepManifest:
-    """A committed step in a node store (format 4): constant size whatever the world size."""
-
-    job: str
-    step: int
-    world_size: int
-    layout: str  # Layout.digest
-    shards_digest: str  # shards_digest() of every rank's (size, index crc32c)
-    total_bytes: int
-    created: float = 0.0
-    timings: Mapping[str, float] = field(default_factory=dict)
-
-    def to_json(self) -> str:
-        d: dict[str, Any] = {
-            "format_version": NODE_FORMAT_VERSION, "kind": "step", "job": self.job,
-            "step": self.step, "world_size": self.world_size, "layout": self.layout,
-            "shards_digest": self.shards_digest, "total_bytes": self.total_bytes,
-            "created": self.created, "timings": dict(self.timings),
-        }
-        return dumps_with_checksum(d)
-
-    @classmethod
-    def from_doc(cls, d: dict[str, Any], *, where: str) -> StepManifest:
-        p = _Parser(where)
-        p.fields(d, "manifest", required={"format_version", "kind", "job", "step", "world_size",
-                                          "layout", "shards_digest", "total_bytes", "checksum"},
-                 optional={"created", "timings"})
-        layout = p.str_(d["layout"], "layout")
-        digest = p.str_(d["shards_digest"], "shards_digest")
-        if len(layout) != 16 or not all(c in "0123456789abcdef" for c in layout) \
-                or not digest.startswith("sha256:"):
-            raise p.fail("layout / shards_digest are not digests")
-        return cls(job=p.str_(d["job"], "job"), step=p.int_(d["step"], "step"),
-                   world_size=p.int_(d["world_size"], "world_size", lo=1, hi=MAX_WORLD_SIZE),
-                   layout=layout, shards_digest=digest,
-                   total_bytes=p.int_(d["total_bytes"], "total_bytes"),
-                   created=float(p.num(d.get("created", 0.0), "created")),
-                   timings={k: float(p.num(v, f"timings[{k!r}]"))
-                            for k, v in p.obj(d.get("timings", {}), "timings").items()})
-
-
-def load_node_manifest(text: str | bytes, *, where: str) -> Manifest | StepManifest:
-    """A node store's ``manifest.json``: a whole manifest (formats 2 and 3, written before
-    format 4 or with parity groups) or a format-4 step record."""
-    d = load_json(text, what="manifest", where=where)
-    checked = text_checksum_ok(text)
-    if isinstance(d, dict) and d.get("format_version") == NODE_FORMAT_VERSION \
-            and d.get("kind") == "step":
-        if not checked:
-            check_checksum(d, where)
-        return StepManifest.from_doc(d, where=where)
-    return Manifest.from_doc(d, where=where, _checked=checked)
-
-
-def split(m: Manifest) -> tuple[Layout, StepManifest]:
-    """A whole manifest (without parity groups) as its node-store layout and step record."""
-    if m.redundancy is not None:
-        raise ValueError("manifests with parity groups are written whole (format 3)")
-    layout = Layout(job=m.job, world_size=m.world_size,
-                    nodes=tuple(s.node for s in sorted(m.shards, key=lambda s: s.rank)),
-                    entries=m.entries, planner_data=m.planner_data, state_kinds=m.state_kinds,
-                    mesh=m.mesh)
-    step = StepManifest(job=m.job, step=m.step, world_size=m.world_size, layout=layout.digest,
-                        shards_digest=shards_digest([(s.size, s.index_crc32c) for s in
-                                                     sorted(m.shards, key=lambda s: s.rank)]),
-                        total_bytes=m.total_bytes, created=m.created, timings=m.timings)
-    return layout, step
-
-
-def assemble(layout: Layout, step: StepManifest, records: Mapping[int, ShardRecord], *,
-             where: str = "manifest") -> Manifest:
-    """The whole manifest of ``step`` from its layout and one shard record per rank (read from
-    the shards' own indexes), checked against the step's digest: a stale, foreign or damaged
-    shard index cannot pass for the committed one."""
-    if layout.job != step.job or layout.world_size != step.world_size:
-        raise ManifestError(f"{where}: layout {step.layout} is for job {layout.job!r} with "
-                            f"{layout.world_size} rank(s), not this step's")
-    if layout.digest != step.layout:
-        raise ManifestError(f"{where}: layout digest {layout.digest} is not {step.layout}")
-    missing = [r for r in range(step.world_size) if r not in records]
-    if missing:
-        raise ManifestError(f"{where}: no shard index for rank(s) {missing[:8]}"
-                            + (" ..." if len(missing) > 8 else ""))
-    ordered = [records[r] for r in range(step.world_size)]
-    got = shards_digest([(r.size, r.index_crc32c) for r in ordered])
-    if got != step.shards_digest:
-        raise ManifestError(f"{where}: the shards' sizes and index crc32c do not match step "
-                            f"{step.step}'s manifest: a shard is stale, foreign or damaged")
-    m = Manifest(job=step.job, step=step.step, world_size=step.world_size,
-                 shards=tuple(dataclasses_replace(r, rank=i, node=layout.nodes[i], replicas=())
-                              for i, r in enumerate(ordered)),
-                 entries=layout.entries, planner_data=layout.planner_data, mesh=layout.mesh,
-                 timings=step.timings, created=step.created, state_kinds=layout.state_kinds,
-                 format_version=_PLAIN_FORMAT_VERSION)
-    _check_items_against_entries(m, where)
-    return m
-
-
-def assemble_any(layout: Layout, step: StepManifest,
-                 candidates: Mapping[int, Sequence[ShardRecord]], *, where: str = "manifest",
-                 tries: int = 256) -> Manifest:
-    """:func:`assemble` when some rank has several candidate records (copies on several nodes
-    whose indexes differ: one is stale or damaged): the most common first, then other
-    combinations, at most ``tries``; the digest decides."""
-    import itertools
-    from collections import Counter
-
-    options: dict[int, list[ShardRecord]] = {}
-    for r, found in candidates.items():
-        counts = Counter((x.size, x.index_crc32c) for x in found)
-        seen: dict[tuple[int, int], ShardRecord] = {}
-        for x in found:
-            seen.setdefault((x.size, x.index_crc32c), x)
-        options[r] = [seen[k] for k, _ in counts.most_common()]
-    multi = [r for r, o in options.items() if len(o) > 1]
-    first = {r: o[0] for r, o in options.items()}
-    last: ManifestError | None = None
-    for n, combo in enumerate(itertools.product(*(options[r] for r in multi))):
-        if n >= tries:
-            break
-        pick = dict(first)
-        pick.update(zip(multi, combo, strict=True))
-        try:
-            return assemble(layout, step, pick, where=where)
-        except ManifestError as e:
-            last = e
-            if "do not match" not in str(e):
-                raise
-    assert last is not None
-    raise last
 
 
 @dataclass

@@ -39,11 +39,9 @@ from aegis.errors import (
     StoreFullError,
 )
 from aegis.snapshot import hostmem
-from aegis.snapshot.manifest import (
-    EncodedManifest,
+from aegis.snapshot.manifest import EncodedManifest, Manifest, ShardRecord
+from aegis.snapshot.node_manifest import (
     Layout,
-    Manifest,
-    ShardRecord,
     StepManifest,
     assemble,
     load_node_manifest,
@@ -179,7 +177,7 @@ class NodeStore:
 
     def read_node_manifest(self, step: int) -> Manifest | StepManifest:
         """This node's ``manifest.json`` of ``step`` as written: a whole manifest (formats 2 and
-        3) or a format-4 step record (see :func:`aegis.snapshot.manifest.assemble`)."""
+        3) or a format-4 step record (see :func:`aegis.snapshot.node_manifest.assemble`)."""
         path = self.manifest_path(step)
         try:
             text = path.read_bytes()

@@ -43,11 +43,8 @@ from aegis.errors import (
 )
 from aegis.snapshot.dcp_io import SafeLoadPlanner, ShardReader
 from aegis.snapshot.durable import list_steps, read_manifest
-from aegis.snapshot.manifest import (
-    Layout,
-    Manifest,
-    StepManifest,
-)
+from aegis.snapshot.manifest import Manifest
+from aegis.snapshot.node_manifest import Layout, StepManifest
 from aegis.snapshot.node_store import NodeStore
 from aegis.snapshot.objstore import ObjectStore
 from aegis.snapshot.shard import (

@@ -12,14 +12,8 @@ from aegis.errors import (
     IncompatibleSnapshotError,
     ManifestError,
 )
-from aegis.snapshot.manifest import (
-    Layout,
-    Manifest,
-    Redundancy,
-    ShardRecord,
-    StepManifest,
-    assemble_any,
-)
+from aegis.snapshot.manifest import Manifest, Redundancy, ShardRecord
+from aegis.snapshot.node_manifest import Layout, StepManifest, assemble_any
 from aegis.snapshot.node_store import NodeStore
 
 
