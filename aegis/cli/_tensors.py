@@ -19,17 +19,9 @@ BATCH_BYTES = 512 << 20  # diff loads both sides batch by batch: bounded memory
 def batches(snap: Snapshot, names: list[str], max_bytes: int = BATCH_BYTES) -> Iterator[list[str]]:
     """``names`` in order, cut into groups of at most ``max_bytes`` of tensors (at least one
     name each): the same groups from both sides of a diff."""
-    group: list[str] = []
-    size = 0
-    for name in names:
-        n = snap.entry_bytes(name)
-        if group and size + n > max_bytes:
-            yield group
-            group, size = [], 0
-        group.append(name)
-        size += n
-    if group:
-        yield group
+    from aegis.read.snapshot import by_bytes
+
+    yield from by_bytes(names, snap.entry_bytes, max_bytes)
 
 
 def _as_float(t: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,7 @@ from aegis.snapshot.durable import (
     list_steps,
     read_manifest,
 )
+from aegis.snapshot.durable import fetch_chunk as _fetch_chunk
 from aegis.snapshot.durable import prune as durable_prune
 from aegis.snapshot.manifest import Manifest
 from aegis.snapshot.objstore import ObjectNotFound, ObjectStore
@@ -153,35 +154,9 @@ class DurableLocation(Location):
 
 
 def fetch_chunk(store: ObjectStore, job: str, manifest: Manifest, rank: int, i: int) -> bytes:
-    """One durable chunk, downloaded, verified and decoded in the calling thread: the checks and
-    messages of :func:`aegis.snapshot.durable.fetch_chunks` (stored size and crc32c, a decode
-    bounded to the chunk, raw crc32c), returning the bytes instead of writing them into a
-    shard-sized buffer from a thread pool of its own."""
-    c = manifest.shard(rank).chunks[i]
-    step = manifest.step
-    key = chunk_key(job, step, rank, i)
-    where = f"{store.url}/{key}"
-    try:
-        blob = store.get(key)
-    except ObjectNotFound as e:
-        raise CorruptShardError(f"{where} is missing", step=step, rank=rank, chunk=i, where=where) from e
-    if len(blob) != c.stored_length or crc32c(blob) != c.stored_crc32c:
-        raise CorruptShardError(
-            f"crc32c mismatch in step {step}, rank {rank}, chunk {i}: object {where} is "
-            f"truncated or corrupt ({len(blob)} bytes, manifest says {c.stored_length})",
-            step=step, rank=rank, chunk=i, where=where)
-    try:
-        raw = decode(blob, c.codec, c.length, where=where)
-    except MemoryError as e:  # a zstd frame header may declare any size; decoding allocates it
-        raise CorruptShardError(
-            f"{where}: cannot decode (a compressed frame declares more bytes than the chunk's "
-            f"{c.length}); the object is damaged or forged", step=step, rank=rank, chunk=i,
-            where=where) from e
-    del blob
-    if crc32c(raw) != c.crc32c:
-        raise CorruptShardError(f"crc32c mismatch in step {step}, rank {rank}, chunk {i} after "
-                                f"decoding {where}", step=step, rank=rank, chunk=i, where=where)
-    return bytes(raw)
+    """One durable chunk, downloaded, verified and decoded in the calling thread, with restore's
+    checks and messages (:func:`aegis.snapshot.durable.fetch_chunk`): its raw bytes."""
+    return bytes(_fetch_chunk(store, job, manifest, rank, i)[0])
 
 
 class DurableCopy(AegisCopy):

@@ -12,7 +12,7 @@ import os
 import re
 import tempfile
 import warnings
-from collections.abc import Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -56,6 +56,22 @@ _PER_RANK = re.compile(r"^per_rank\.rank(\d+)\.([^.]+)(?:\.|$)")
 
 
 _RNG = re.compile(r"^rng\.rank(\d+)(?:\.|$)")
+
+
+def by_bytes(names: Sequence[str], size: Callable[[str], int], max_bytes: int) -> Iterator[list[str]]:
+    """``names`` in order, cut into groups of at most ``max_bytes`` by ``size`` (at least one
+    name each)."""
+    group: list[str] = []
+    total = 0
+    for name in names:
+        n = size(name)
+        if group and total + n > max_bytes:
+            yield group
+            group, total = [], 0
+        group.append(name)
+        total += n
+    if group:
+        yield group
 
 
 @dataclass(frozen=True)
@@ -245,22 +261,12 @@ class Snapshot:
         each): whole chunks for aegis snapshots (names ordered by where they are stored, so a
         group shares chunks), the entries' bytes for DCP checkpoints."""
         if self.manifest is None:
-            group: list[str] = []
-            size = 0
-            for name in names:
-                n = self.entry_bytes(name)
-                if group and size + n > max_bytes:
-                    yield group
-                    group, size = [], 0
-                group.append(name)
-                size += n
-            if group:
-                yield group
+            yield from by_bytes(names, self.entry_bytes, max_bytes)
             return
         m = self.manifest
         lengths = {(s.rank, i): c.length for s in m.shards for i, c in enumerate(s.chunks)}
         ordered = sorted(names, key=lambda n: min(self._chunks_of(n), default=(-1, -1)))
-        group = []
+        group: list[str] = []
         held: set[ChunkKey] = set()
         size = 0
         for name in ordered:

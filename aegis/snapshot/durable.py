@@ -57,6 +57,7 @@ __all__ = [
     "clean_uncommitted",
     "Uploader",
     "UploadResult",
+    "fetch_chunk",
     "fetch_chunks",
 ]
 
@@ -559,40 +560,51 @@ class Uploader:
                 ) from None
 
 
+def fetch_chunk(store: ObjectStore, job: str, manifest: Manifest, shard: int, i: int
+                ) -> tuple[bytes, int]:
+    """One chunk of ``shard``, downloaded, verified and decoded: (its raw bytes, the stored
+    bytes downloaded). Stored size and crc32c are checked before decoding (a decode bounded to
+    the chunk's length), the raw crc32c after; CorruptShardError names the object key. Restore
+    (:func:`fetch_chunks`) and the reading layer (``aegis.read.durable``) both read through it."""
+    c = manifest.shard(shard).chunks[i]
+    step = manifest.step
+    key = chunk_key(job, step, shard, i)
+    where = f"{store.url}/{key}"
+    try:
+        blob = store.get(key)
+    except ObjectNotFound as e:
+        raise CorruptShardError(f"{where} is missing", step=step, rank=shard, chunk=i, where=where) from e
+    if len(blob) != c.stored_length or crc32c(blob) != c.stored_crc32c:
+        raise CorruptShardError(
+            f"crc32c mismatch in step {step}, rank {shard}, chunk {i}: object {where} is "
+            f"truncated or corrupt ({len(blob)} bytes, manifest says {c.stored_length})",
+            step=step, rank=shard, chunk=i, where=where)
+    stored = len(blob)
+    try:
+        raw = decode(blob, c.codec, c.length, where=where)
+    except MemoryError as e:  # a zstd frame header may declare any size; decoding allocates it
+        raise CorruptShardError(
+            f"{where}: cannot decode (a compressed frame declares more bytes than the chunk's "
+            f"{c.length}); the object is damaged or forged", step=step, rank=shard, chunk=i,
+            where=where) from e
+    del blob
+    if crc32c(raw) != c.crc32c:
+        raise CorruptShardError(f"crc32c mismatch in step {step}, rank {shard}, chunk {i} after "
+                                f"decoding {where}", step=step, rank=shard, chunk=i, where=where)
+    return raw, stored
+
+
 def fetch_chunks(store: ObjectStore, job: str, manifest: Manifest, shard: int, ids: Iterable[int],
                  out: memoryview, *, threads: int = 4) -> int:
-    """Download, verify and decode chunks of one shard into ``out`` (a view of the whole shard).
-
-    Stored crc32c is checked before decoding and the raw crc32c after; CorruptShardError names
-    the object key. Returns the stored bytes downloaded."""
+    """Download, verify and decode chunks of one shard into ``out`` (a view of the whole shard),
+    ``threads`` at a time (:func:`fetch_chunk`). Returns the stored bytes downloaded."""
     rec = manifest.shard(shard)
-    step = manifest.step
 
     def one(i: int) -> int:
         c = rec.chunks[i]
-        key = chunk_key(job, step, shard, i)
-        where = f"{store.url}/{key}"
-        try:
-            blob = store.get(key)
-        except ObjectNotFound as e:
-            raise CorruptShardError(f"{where} is missing", step=step, rank=shard, chunk=i, where=where) from e
-        if len(blob) != c.stored_length or crc32c(blob) != c.stored_crc32c:
-            raise CorruptShardError(
-                f"crc32c mismatch in step {step}, rank {shard}, chunk {i}: object {where} is "
-                f"truncated or corrupt ({len(blob)} bytes, manifest says {c.stored_length})",
-                step=step, rank=shard, chunk=i, where=where)
-        try:
-            raw = decode(blob, c.codec, c.length, where=where)
-        except MemoryError as e:  # a zstd frame header may declare any size; decoding allocates it
-            raise CorruptShardError(
-                f"{where}: cannot decode (a compressed frame declares more bytes than the chunk's "
-                f"{c.length}); the object is damaged or forged", step=step, rank=shard, chunk=i,
-                where=where) from e
-        if crc32c(raw) != c.crc32c:
-            raise CorruptShardError(f"crc32c mismatch in step {step}, rank {shard}, chunk {i} after "
-                                    f"decoding {where}", step=step, rank=shard, chunk=i, where=where)
+        raw, stored = fetch_chunk(store, job, manifest, shard, i)
         out[c.offset:c.offset + c.length] = raw
-        return len(blob)
+        return stored
 
     with ThreadPoolExecutor(max_workers=threads) as pool:
         return sum(pool.map(one, sorted(ids)))
