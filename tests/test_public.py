@@ -136,3 +136,14 @@ def test_no_module_assigns_to_another_objects_private_attribute() -> None:
                 if poked and "aegis: private-assign" not in lines[t.lineno - 1]:
                     found.append(f"{path.relative_to(root.parent)}:{t.lineno}: {ast.unparse(t)}")
     assert not found, "\n".join(found)
+
+
+def test_no_module_is_over_800_lines() -> None:
+    """issue 41: one job per module; a module past 800 lines has grown a second one (split it
+    along its seam, as engine.py -> redundancy.py + slot_pools.py)."""
+    from pathlib import Path
+
+    root = Path(aegis.__file__).parent
+    long = {str(p.relative_to(root.parent)): n for p in sorted(root.rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > 800}
+    assert not long, long

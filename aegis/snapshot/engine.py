@@ -3,9 +3,11 @@
 Who calls what: every rank of the snapshot group calls :meth:`SnapshotEngine.save` with the same
 step, in the same order (it is collective). ``save`` blocks while it copies the rank's shard into
 a pre-faulted slot in the node store and returns a :class:`SnapshotHandle`; a background thread
-per rank then checksums the shard, writes its index, and takes part in the commit: rank 0
-gathers every rank's shard record, builds the manifest and broadcasts it; the first rank of each
-node writes it into that node's store. Only then is the step committed.
+per rank then checksums the shard, writes its index, protects it through the world's
+redundancy scheme (:mod:`.redundancy`: replicas pushed, or parity exchanged), and takes part in
+the commit: rank 0 gathers every rank's shard record, builds the manifest and broadcasts it; the
+first rank of each node writes it into that node's store. Only then is the step committed. The
+rank's slots come from its :class:`~aegis.snapshot.slot_pools.SlotPools`.
 
 Double buffer: a save first waits for the previous snapshot's background work, so at most one
 snapshot is in flight, and an error from it is raised by that next ``save`` (or ``wait``).
@@ -20,31 +22,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import hashlib
-import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import crc32c as _crc32c
-import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from aegis import _fault
 from aegis._dist import Group
-from aegis.errors import (
-    AegisError,
-    CollectiveError,
-    ConfigError,
-    CorruptShardError,
-    StepOrderError,
-    StoreFullError,
-)
+from aegis.errors import AegisError, CollectiveError, StepOrderError, StoreFullError
 from aegis.snapshot import hostmem
 from aegis.snapshot.dcp_io import DEFAULT_CHUNK_BYTES, StagedShard, complete, stage
 from aegis.snapshot.engine_plan import (
@@ -56,49 +46,25 @@ from aegis.snapshot.engine_plan import (
     _remember_plan,
     _resolver,
 )
-from aegis.snapshot.erasure import (
-    RS_DEFAULT_EC_TYPE,
-    StripeLayout,
-    rs_piece_size,
-    rs_stripe_encode,
-    rs_stripe_layout,
-    stripe_layout,
-    xor_into,
-    xor_layout,
-)
 from aegis.snapshot.manifest import (
     BytesEntry,
     Commit,
     EncodedManifest,
     Manifest,
-    ParityGroup,
-    Redundancy,
     ShardRecord,
     TensorEntry,
 )
 from aegis.snapshot.node_manifest import Layout, StepManifest, shards_digest
-from aegis.snapshot.node_store import NodeStore, Slot
-from aegis.snapshot.placement import Placement, parity_groups
-from aegis.snapshot.shard import ShardLayout, check_blob, plan_layout
+from aegis.snapshot.node_store import NodeStore, Slot, is_store_full
+from aegis.snapshot.redundancy import Protected, Scheme, build, shard_summary
+from aegis.snapshot.shard import ShardLayout, plan_layout
+from aegis.snapshot.slot_pools import SlotPools
 from aegis.snapshot.staging import CopyBarrier, Stager
-from aegis.snapshot.transport import Recv, Send, Transport
+from aegis.snapshot.transport import Transport
 
 __all__ = ["SnapshotEngine", "SnapshotHandle", "SnapshotResult", "format_bytes"]
 
 _TAIL_ALLOWANCE = 1 << 20  # bytes region + index, estimated for the free-space check
-_ENCODE_SCRATCH = 256 << 20  # private memory for XOR segments in flight (at least one segment)
-
-
-def is_store_full(e: BaseException) -> bool:
-    """A full tmpfs (or quota): the snapshot is skipped, not the training run."""
-    if isinstance(e, StoreFullError):
-        return True
-    return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
-
-
-def _mv(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU uint8 tensor, without a copy."""
-    return memoryview(t.numpy())  # type: ignore[arg-type]  # numpy arrays are buffers
 
 
 def format_bytes(n: float) -> str:
@@ -225,44 +191,6 @@ class SnapshotEngine:
         self._pin_s = 0.0  # registration seconds not yet reported in a result
         ids = group.all_gather((node, domain or node), "node discovery")
         self.nodes: list[str] = [n for n, _ in ids]
-        if redundancy not in ("replica", "xor", "rs"):
-            raise AegisError(f"redundancy={redundancy!r}: use 'replica', 'xor' or 'rs'")
-        self.placement = Placement.build(self.nodes, [d for _, d in ids],
-                                         replicas if redundancy == "replica" else 0)
-        # parity groups (issue 16): member ranks in order; empty with whole replicas
-        self.groups: list[tuple[int, ...]] = []
-        self.degraded: str | None = None  # why this world keeps replicas instead of parity
-        self.scheme = redundancy
-        self.parity = 1 if redundancy == "xor" else parity  # losses per group it rebuilds
-        if redundancy != "replica":
-            try:
-                self.groups = parity_groups(self.placement, group_size)
-                if redundancy == "rs":
-                    # a world shrunk below parity + 2 nodes per group keeps RS with the parity
-                    # its smallest group can hold, and XOR (one loss) below 3 nodes; the
-                    # Manager warns
-                    smallest = min(len(g) for g in self.groups)
-                    self.parity = max(1, min(parity, smallest - 2))
-                    if smallest < 3:
-                        self.scheme = "xor"
-                    else:  # pyeclib present: fail now, not at the first save
-                        rs_piece_size(rs_stripe_layout([64] * smallest, self.parity))
-            except (ValueError, ConfigError) as e:
-                if not parity_fallback:
-                    raise AegisError(f"redundancy={redundancy!r} cannot form parity groups: {e}") from None
-                # a world that a recovery in place left uneven (a worker of a 2-rank node lost:
-                # its local index 1 on one node only): one whole replica per shard for this
-                # world, not a crash of every process (the Manager warns); the next world that
-                # can form groups uses parity again
-                self.placement = Placement.build(self.nodes, [d for _, d in ids], 1)
-                self.groups, self.scheme, self.parity = [], "replica", 0
-                self.degraded = f"redundancy={redundancy!r} cannot form parity groups in this world ({e})"
-        self.group_of: tuple[int, ...] = next((g for g in self.groups if self.rank in g), ())
-        if (self.placement.effective_replicas or self.groups) and transport is None:
-            raise AegisError("replicas > 0 or parity groups need a transport")
-        self.transport = transport
-        self.targets = self.placement.targets(self.rank)
-        self.sources = self.placement.sources(self.rank)
         self.is_leader = self.nodes.index(node) == self.rank  # first rank of this node
         self.local_world = self.nodes.count(node)
         store.create()
@@ -272,6 +200,17 @@ class SnapshotEngine:
                 with contextlib.suppress(ValueError, OSError):
                     if int(f.name.split("-", 1)[1].split(".", 1)[0]) not in local:
                         f.unlink()
+        self._lock = threading.RLock()  # pools, slot names, committed list, pins
+        self.slots = SlotPools(store, self.rank, pins=self.stager.pins, lock=self._lock)
+        # how the snapshot survives a lost node (aegis.snapshot.redundancy)
+        self.redundancy: Scheme = build(
+            redundancy, nodes=self.nodes, domains=[d for _, d in ids], rank=self.rank, group=group,
+            pools=self.slots, transport=transport, replicas=replicas, group_size=group_size,
+            parity=parity, parity_fallback=parity_fallback)
+        r = self.redundancy
+        self.placement, self.groups, self.group_of = r.placement, r.groups, r.group_of
+        self.scheme, self.parity, self.degraded = r.name, r.losses, r.degraded
+        self.targets, self.sources = r.targets, r.sources
         self._planner = DefaultSavePlanner()
         # rank 0: the format-4 layout of the current plan, and the digest last sent to leaders
         self._layout: Layout | None = None
@@ -283,36 +222,14 @@ class SnapshotEngine:
         # the same object while its tensors are the live ones (flattened once, _Flattener)
         self._flat = _Flattener(stable_entries)
         self._plan: _Plan | None = None
-        keep_maps = self.stager.pins
-        self._pool: list[Slot] = [Slot(p, keep=keep_maps) for p in store.free_slots(self.rank)]
-        self._replica_pool: list[Slot] = [Slot(p, "replica") for p in store.free_slots(self.rank, "replica")]
-        self._parity_pool: list[Slot] = [Slot(p, "parity") for p in store.free_slots(self.rank, "parity")]
-        self._next_slot = 1 + max(
-            (int(p.path.name.rsplit(".", 1)[1]) for p in self._spares()), default=0
-        )
         # (step, own slot or None for a step found on restore, replica slots), oldest first
         self._committed: list[tuple[int, Slot | None, list[Slot]]] = []
         self._inflight: tuple[SnapshotHandle, Slot | None] | None = None
         self.last_step = -1  # newest step saved or restored: save() must go beyond it
         self._executor = _DaemonWorker(f"aegis-snap-r{self.rank}")
-        self._lock = threading.RLock()  # pools, slot names, committed list, pins
         self._closed = False
-        if keep_maps:
-            self._adopt_kept()
-
-    def _adopt_kept(self) -> None:
-        """Free slots this process mapped (and registered) under an earlier Manager, e.g. in the
-        previous in-process round, possibly under another rank number: renamed into this rank's
-        pool, so that their registration is not paid again."""
-        hostmem.sweep()
-        mine = {p.path for p in self._pool}
-        for path in sorted(self.store.slots_dir.glob("rank-*")):
-            if path in mine or hostmem.lookup(str(path)) is None:
-                continue
-            with contextlib.suppress(OSError):
-                slot = Slot(path, keep=True)
-                slot.move(self._slot_name("rank"))
-                self._pool.append(slot)
+        if self.stager.pins:
+            self.slots.adopt_kept()
 
     # -- public --------------------------------------------------------------------------------
 
@@ -386,7 +303,7 @@ class SnapshotEngine:
         staged: StagedShard | None = None
         error: BaseException | None = None
         try:
-            slot = self._take_slot(step, self._plan.layout)
+            slot = self.slots.take_own(step, self._plan.layout)
             staged = stage(step, self.rank, self._plan.layout, slot, resolve, self.stager)
             result.copy_s = staged.copy_s
         except Exception as e:  # noqa: BLE001 - every rank must still take part in the commit
@@ -437,11 +354,9 @@ class SnapshotEngine:
         finally:
             self._closed = True
             self._executor.shutdown(wait=True)
-            for slot in self._spares():
+            for slot in self.slots.spares():
                 slot.close(keep=False)
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(slot.path)
-            self._clear_spares()
+            self.slots.unlink_spares()
             for _, own, replica_slots in self._committed:
                 held: list[Slot | None] = [own, *replica_slots]
                 for s in held:
@@ -463,24 +378,16 @@ class SnapshotEngine:
         if self._executor.alive:
             return  # still blocked (a stopped peer): its slots stay mapped until it ends
         with self._lock:
-            slots = self._spares()
+            slots = self.slots.spares()
             if self._inflight is not None and self._inflight[1] is not None:
                 slots.append(self._inflight[1])
             for _, own, replica_slots in self._committed:
                 slots.extend(s for s in (own, *replica_slots) if s is not None)
             for slot in slots:
                 slot.close()
-            if not self.stager.pins:
-                # spares go; with device staging they stay with their mappings (kept by this
-                # process, registered) for the next round's engine (_adopt_kept)
-                for slot in self._spares():
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(slot.path)
-            else:
-                for slot in (*self._replica_pool, *self._parity_pool):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(slot.path)
-            self._clear_spares()
+            # spares go; with device staging own ones stay with their mappings (kept by this
+            # process, registered) for the next round's engine (SlotPools.adopt_kept)
+            self.slots.unlink_spares(keep_own=self.stager.pins)
             self._committed.clear()
             self._inflight = None
 
@@ -541,12 +448,13 @@ class SnapshotEngine:
         # commit, so they are ready before the next save takes a slot).
         in_use = sum(1 for _, s, _ in self._committed if s is not None)
         with self._lock:
-            while len(self._pool) + in_use < self.keep + 1:
-                self._pool.append(self._new_slot())
-            if self._pool:
-                with contextlib.suppress(StoreFullError):  # the save then skips, see _take_slot
-                    self._pool[-1].ensure(layout.tensor_end)
-            later = list(self._pool[:-1])
+            own = self.slots.own
+            while len(own) + in_use < self.keep + 1:
+                own.append(self.slots.new_own())
+            if own:
+                with contextlib.suppress(StoreFullError):  # the save then skips (SlotPools.take_own)
+                    own[-1].ensure(layout.tensor_end)
+            later = list(own[:-1])
         if later:
             def prefault() -> None:
                 for s in later:
@@ -561,9 +469,9 @@ class SnapshotEngine:
         """Fail before the first save if this node's store cannot hold keep + 1 snapshots."""
         per_shard = layout.tensor_end + _TAIL_ALLOWANCE
         # own shard + the replicas this rank receives, for keep + 1 snapshots
-        parity = self.parity / (len(self.group_of) - self.parity) if self.group_of else 0.0
-        need = int((self.keep + 1 + self.extra_snapshots) * per_shard * (1 + len(self.sources) + parity))
-        reusable = sum(os.path.getsize(s.path) for s in self._pool if s.path.exists())
+        copies = self.redundancy.copies_per_shard()
+        need = int((self.keep + 1 + self.extra_snapshots) * per_shard * (1 + copies))
+        reusable = self.slots.reusable_bytes()
         reports = self.group.all_gather(
             (self.node, need, reusable, self.store.free_bytes()), "capacity check"
         )
@@ -585,44 +493,6 @@ class SnapshotEngine:
                 f"(now {self.keep}), or point store_dir (or AEGIS_STORE_DIR) at a larger tmpfs, "
                 "e.g. `mount -o remount,size=<bytes> /dev/shm`"
             )
-
-    # -- slots ---------------------------------------------------------------------------------
-
-    def _slot_name(self, kind: str) -> Path:
-        with self._lock:
-            k = self._next_slot
-            self._next_slot += 1
-        return self.store.slot_path(self.rank, k, kind)
-
-    def _new_slot(self) -> Slot:
-        return Slot(self._slot_name("rank"), keep=self.stager.pins)
-
-    def _take_slot(self, step: int, layout: ShardLayout) -> Slot:
-        with self._lock:
-            slot = self._pool.pop() if self._pool else self._new_slot()
-        slot.ensure(layout.tensor_end)
-        slot.move(self.store.shard_path(step, self.rank))
-        return slot
-
-    def _spares(self) -> list[Slot]:
-        return [*self._pool, *self._replica_pool, *self._parity_pool]
-
-    def _clear_spares(self) -> None:
-        self._pool.clear()
-        self._replica_pool.clear()
-        self._parity_pool.clear()
-
-    def _release_slot(self, slot: Slot) -> None:
-        with self._lock:
-            slot.move(self._slot_name(slot.kind))
-            {"replica": self._replica_pool, "parity": self._parity_pool}.get(slot.kind, self._pool).append(slot)
-
-    def _replica_slot(self, step: int, src: int, size: int) -> Slot:
-        with self._lock:
-            slot = self._replica_pool.pop() if self._replica_pool else Slot(self._slot_name("replica"), "replica")
-        slot.ensure(size)
-        slot.move(self.store.shard_path(step, src))
-        return slot
 
     # -- background ----------------------------------------------------------------------------
 
@@ -650,29 +520,15 @@ class SnapshotEngine:
                 result.shard_bytes = record.size
             except Exception as e:  # noqa: BLE001 - reported to rank 0
                 err, full = f"{type(e).__name__}: {e}", is_store_full(e)
-        tr = time.perf_counter()
-        received: list[tuple[int, int | None, str | None]] = []
-        replica_slots: list[Slot] = []
+        protected = Protected()
+        ok = err is None and slot is not None
         try:
-            received, replica_slots, replica_full = self._replicate(
-                result.step, slot, staged if err is None and slot is not None else None)
-            full = replica_full if err is None else full and replica_full
+            protected = self.redundancy.protect(result.step, slot if ok else None, staged if ok else None, result)
+            full = protected.full if err is None else full and protected.full
         except Exception as e:  # noqa: BLE001 - a peer that stopped answering: abort for everyone
-            err, full = err or f"replication: {type(e).__name__}: {e}", False
-        result.replicate_s = time.perf_counter() - tr
-        result.replica_bytes = sum(s.capacity for s in replica_slots)
-        parity: tuple[int, int] | None = None
-        if self.groups:
-            te = time.perf_counter()
-            try:
-                pslot, parity = self._encode(result.step, slot if err is None else None,
-                                             staged if err is None else None, result)
-                if pslot is not None:
-                    replica_slots.append(pslot)
-                    result.parity_bytes = pslot.capacity
-            except Exception as e:  # noqa: BLE001 - a member that stopped answering: abort
-                err, full = err or f"parity encoding: {type(e).__name__}: {e}", False
-            result.encode_s = time.perf_counter() - te
+            err, full = err or f"{self.redundancy.what}: {type(e).__name__}: {e}", False
+        received, replica_slots = protected.received, protected.slots
+        result.replica_bytes = sum(s.capacity for s in replica_slots if s.kind == "replica")
         if self.poisoned is not None and (why := self.poisoned()) is not None:
             err, full = err or f"round abandoned: {why}", False
         tc = time.perf_counter()
@@ -683,7 +539,7 @@ class SnapshotEngine:
         if record is not None and not self.groups and not self.whole_manifests:
             sent = (record.size, record.index_crc32c)
         reports = self.group.gather(
-            (sent, err, received, result.blocking_s, result.copy_s, full, parity), "commit gather"
+            (sent, err, received, result.blocking_s, result.copy_s, full, protected.parity), "commit gather"
         )
         decision: tuple[str, Any] | None = None
         whole: Manifest | None = None  # rank 0: a whole manifest, sent as its text
@@ -719,7 +575,7 @@ class SnapshotEngine:
                 kind, payload = "abort", (failed, all(w[1] for w in writes if w is not None))
         if kind == "abort":
             failures, skipped = payload
-            self._discard(result.step, slot, replica_slots)
+            self.slots.discard(result.step, [slot, *replica_slots])
             failure = CollectiveError(f"snapshot of step {result.step}", failures)
             result.error = str(failure)
             if skipped:
@@ -766,291 +622,17 @@ class SnapshotEngine:
             with contextlib.suppress(Exception):  # events must never break the commit protocol
                 self.on_result(result)
 
-    def _discard(self, step: int, slot: Slot | None, replica_slots: list[Slot]) -> None:
-        """An aborted step: its files go back to the pools (never left in the step directory)."""
-        with contextlib.suppress(Exception):
-            if slot is not None:
-                self._release_slot(slot)
-            for rs in replica_slots:
-                self._release_slot(rs)
-            self.store._rmdir_if_empty(step)
-
-    def _replicate(self, step: int, slot: Slot | None, staged: StagedShard | None
-                   ) -> tuple[list[tuple[int, int | None, str | None]], list[Slot], bool]:
-        """Push this rank's shard to its targets; receive and verify the shards of its sources.
-
-        Every rank takes part even if its own shard failed (it then sends an empty message), so
-        no peer waits for a transfer that never comes. Returns, per source, (source rank, index
-        crc32c of the verified replica or None, error), the replica slots filled, and whether
-        every failure was a full node store (a replica that did not fit is still received, into
-        private memory, and dropped: the sender must never wait for a receive that is not posted).
-        """
-        if not self.targets and not self.sources:
-            return [], [], False
-        assert self.transport is not None
-        parts: list[torch.Tensor] = []
-        if staged is not None and slot is not None:
-            parts = [slot.view[: staged.layout.tensor_end],
-                     torch.frombuffer(bytearray(staged.tail), dtype=torch.uint8)]
-        slots: dict[int, Slot] = {}
-        no_room: dict[int, str] = {}
-
-        def alloc(src: int) -> Callable[[list[int]], list[torch.Tensor]]:
-            def fn(sizes: list[int]) -> list[torch.Tensor]:
-                try:
-                    rs = self._replica_slot(step, src, max(sum(sizes), 1))
-                except Exception as e:
-                    if not is_store_full(e):
-                        raise
-                    no_room[src] = f"{type(e).__name__}: {e}"
-                    return [torch.empty(n, dtype=torch.uint8) for n in sizes]  # drained, dropped
-                slots[src] = rs
-                out, pos = [], 0
-                for n in sizes:
-                    out.append(rs.view[pos:pos + n])
-                    pos += n
-                return out
-            return fn
-
-        sends = [Send(t, parts) for t in self.targets]
-        recvs = [Recv(s, alloc(s)) for s in self.sources]
-        _fault.hit("replicate", step, self.rank)
-        try:
-            self.transport.exchange(sends, recvs)
-        except BaseException:
-            self._discard(step, None, list(slots.values()))
-            raise
-        received: list[tuple[int, int | None, str | None]] = []
-        for src in self.sources:
-            rs = slots.get(src)
-            if src in no_room:
-                received.append((src, None, f"no room for the replica: {no_room[src]}"))
-                continue
-            if rs is None or rs.capacity <= 1:
-                received.append((src, None, "no shard received (the owner failed)"))
-                continue
-            try:
-                with rs.memory as mem:
-                    _, icrc = check_blob(mem, step=step, rank=src,
-                                         where=f"replica on node {self.node!r}")
-                received.append((src, icrc, None))
-            except CorruptShardError as e:
-                received.append((src, None, str(e)))
-        full = bool(no_room) and all(err is None or src in no_room for src, _, err in received)
-        return received, list(slots.values()), full
-
-    def _encode(self, step: int, slot: Slot | None, staged: StagedShard | None,
-                result: SnapshotResult) -> tuple[Slot | None, tuple[int, int] | None]:
-        """This rank's parity file for ``step`` (see ``aegis.snapshot.erasure``'s layouts).
-
-        Every rank first learns the shard lengths (one all-gather of the snapshot group: the
-        layout needs them). XOR: N-1 rounds within the group; in round k member i sends its
-        segment for stripe i+k to member i+k, with the segment's crc32c, and receives member
-        i-k's segment for its own stripe, checks its crc32c and folds it into its parity slot.
-        Rounds are posted together as far as ``_ENCODE_SCRATCH`` of private scratch allows (at
-        least one segment); every member sends about one shard in all. RS: see
-        :meth:`_encode_rs`. Returns the parity slot (in the step directory) and (parity bytes,
-        parity crc32c), or (None, None) when a member of the group has no shard (its failure
-        aborts the commit)."""
-        assert self.transport is not None
-        length = staged.layout.tensor_end + len(staged.tail) if staged is not None and slot is not None else -1
-        lengths = self.group.all_gather(length, "parity lengths")
-        members = self.group_of
-        if any(lengths[m] < 0 for m in members):
-            return None, None
-        assert staged is not None and slot is not None
-        te = staged.layout.tensor_end
-        tail = torch.frombuffer(bytearray(staged.tail), dtype=torch.uint8) if staged.tail else None
-
-        def cut(a: int, b: int) -> list[torch.Tensor]:
-            parts = []
-            if a < min(b, te):
-                parts.append(slot.view[a:min(b, te)])
-            if b > max(a, te) and tail is not None:
-                parts.append(tail[max(a, te) - te:b - te])
-            return parts
-
-        with self._lock:
-            pslot = self._parity_pool.pop() if self._parity_pool else Slot(self._slot_name("parity"), "parity")
-        try:
-            if self.scheme == "rs":
-                size = self._encode_rs(step, rs_stripe_layout([lengths[m] for m in members], self.parity),
-                                       cut, pslot, result)
-            else:
-                size = self._encode_xor(step, xor_layout([lengths[m] for m in members]), cut, pslot, result)
-            tc = time.perf_counter()
-            pcrc = int(_crc32c.crc32c(_mv(pslot.view[:size])))
-            result.encode_compute_s += time.perf_counter() - tc
-        except BaseException:
-            self._discard(step, None, [pslot])
-            raise
-        return pslot, (size, pcrc)
-
-    def _segment_exchange(self, step: int, rounds: list[tuple[list[tuple[int, list[torch.Tensor]]], list[int]]],
-                          size: int, result: SnapshotResult) -> list[list[memoryview]]:
-        """One exchange of parity segments: each round sends ``(member, parts)`` (this rank's
-        segment for a stripe, crc32c appended) and receives one segment from each listed
-        member into private scratch. Returns the received segments per round, each checked
-        against its crc32c; a damaged one raises once every transfer is done."""
-        assert self.transport is not None
-        members = self.group_of
-        total = sum(len(srcs) for _, srcs in rounds)
-        scratch = torch.empty(total * (size + 8), dtype=torch.uint8)
-        sends, recvs, got = [], [], {}
-        w = 0
-        for dests, srcs in rounds:
-            for dst, parts in dests:
-                crc = 0
-                tc = time.perf_counter()
-                for part in parts:
-                    crc = _crc32c.crc32c(_mv(part), crc)
-                result.encode_compute_s += time.perf_counter() - tc
-                stamp = torch.frombuffer(bytearray(crc.to_bytes(8, "little")), dtype=torch.uint8)
-                sends.append(Send(members[dst], [*parts, stamp]))
-            for src in srcs:
-                buf = scratch[w * (size + 8):(w + 1) * (size + 8)]
-
-                def alloc(sizes: list[int], w: int = w, buf: torch.Tensor = buf) -> list[torch.Tensor]:
-                    total = sum(sizes)
-                    if total > size + 8 or not sizes or sizes[-1] != 8:
-                        raise AegisError(f"parity encoding: a segment of {total} bytes for a "
-                                         f"{size}-byte stripe")
-                    got[w] = total - 8
-                    out, pos = [], 0
-                    for nbytes in sizes:
-                        out.append(buf[pos:pos + nbytes])
-                        pos += nbytes
-                    return out
-
-                recvs.append(Recv(members[src], alloc))
-                w += 1
-        self.transport.exchange(sends, recvs)
-        tc = time.perf_counter()
-        out: list[list[memoryview]] = []
-        damaged: list[int] = []  # every transfer still ran: a peer never waits for a send
-        w = 0
-        for _, srcs in rounds:
-            segs = []
-            for src in srcs:
-                nseg = got[w]
-                buf = scratch[w * (size + 8):(w + 1) * (size + 8)]
-                seg = _mv(buf[:nseg])
-                if _crc32c.crc32c(seg) != int.from_bytes(_mv(buf[nseg:nseg + 8]), "little"):
-                    damaged.append(members[src])
-                segs.append(seg)
-                w += 1
-            out.append(segs)
-        result.encode_compute_s += time.perf_counter() - tc
-        if damaged:
-            raise CorruptShardError(
-                f"parity segment(s) from rank(s) {damaged} for the parity of rank {self.rank} at "
-                f"step {step} were damaged in transit (crc32c differs)",
-                step=step, rank=damaged[0], where=f"parity encoding on node {self.node!r}")
-        return out
-
-    def _encode_xor(self, step: int, layout: StripeLayout, cut: Callable[[int, int], list[torch.Tensor]],
-                    pslot: Slot, result: SnapshotResult) -> int:
-        members = self.group_of
-        me, n, size = members.index(self.rank), len(members), layout.segment_size
-        pslot.ensure(size)
-        pslot.move(self.store.parity_path(step, self.rank))
-        parity = pslot.view[:size]
-        parity.zero_()
-        # rounds run `window` at a time (one exchange each): fewer waits on the slowest
-        # peer, at `window` segments of private scratch memory (bounded by _ENCODE_SCRATCH)
-        window = max(1, min(n - 1, _ENCODE_SCRATCH // max(size + 8, 1)))
-        _fault.hit("encode", step, self.rank)
-        for first in range(1, n, window):
-            ks = range(first, min(n, first + window))
-            rounds = [([((me + k) % n, cut(*layout.segment_range(me, (me + k) % n)))], [(me - k) % n])
-                      for k in ks]
-            segs = self._segment_exchange(step, rounds, size, result)
-            tc = time.perf_counter()
-            for (seg,) in segs:
-                xor_into(_mv(parity), seg)
-            result.encode_compute_s += time.perf_counter() - tc
-        return size
-
-    def _encode_rs(self, step: int, layout: StripeLayout, cut: Callable[[int, int], list[torch.Tensor]],
-                   pslot: Slot, result: SnapshotResult) -> int:
-        """Reed-Solomon parity pieces (k of them) of the stripes this rank holds.
-
-        Two exchanges. First, member i sends its segment for each stripe t it feeds to t's first
-        holder (member t), and, as first holder of its own stripe, receives that stripe's d
-        segments (crc32c-checked), encodes them once (pyeclib) and keeps piece 0. Then it sends
-        piece q to the stripe's holder q (member i + q) and receives piece q of stripe i - q
-        from member i - q. Each member sends about one shard plus k-1 pieces, encodes one
-        stripe, and holds one shard of scratch."""
-        members = self.group_of
-        me, n, d, size = members.index(self.rank), len(members), layout.data, layout.segment_size
-        k = self.parity
-        piece = rs_piece_size(layout)
-        pslot.ensure(max(k * piece, 1))
-        pslot.move(self.store.parity_path(step, self.rank, "rs"))
-        _fault.hit("encode", step, self.rank)
-        dests = [(t, cut(*layout.segment_range(me, t))) for t in ((me + 1 + s) % n for s in range(d))]
-        srcs = [layout.contributor_at(me, p) for p in range(d)]
-        (segs,) = self._segment_exchange(step, [(dests, srcs)], size, result)
-        tc = time.perf_counter()
-        pieces = [torch.frombuffer(bytearray(p), dtype=torch.uint8) if p else torch.empty(0, dtype=torch.uint8)
-                  for p in rs_stripe_encode(layout, me, segs)]
-        if piece:
-            pslot.view[:piece].copy_(pieces[0])
-        result.encode_compute_s += time.perf_counter() - tc
-        if k > 1:
-            sends = [((me + q) % n, [pieces[q]]) for q in range(1, k)]
-            (got,) = self._segment_exchange(step, [(sends, [(me - q) % n for q in range(1, k)])],
-                                            piece, result)
-            for q, buf in zip(range(1, k), got, strict=True):
-                if len(buf) != piece:
-                    raise AegisError(f"RS parity piece {q} from rank {members[(me - q) % n]} is "
-                                     f"{len(buf)} bytes, expected {piece}")
-                if piece:
-                    pslot.view[q * piece:(q + 1) * piece].copy_(torch.frombuffer(buf, dtype=torch.uint8))
-        return k * piece
-
     def _decide_commit(self, step: int, reports: list[Any], complete_s: float) -> tuple[str, Any]:
         """Rank 0: commit only if every shard is stored and every replica verified against the
         owner's index crc32c."""
         failures: dict[int, str] = {}
         records = {r: rep[0] for r, rep in enumerate(reports)}
-        # (size, index crc32c) of each rank's shard, from a whole record or a summary
-        summary = {r: ((rec.size, rec.index_crc32c) if isinstance(rec, ShardRecord) else rec)
-                   for r, rec in records.items()}
+        summary = {r: shard_summary(rec) for r, rec in records.items() if rec is not None}
         full = {r: rep[5] for r, rep in enumerate(reports)}
         for r, rep in enumerate(reports):
             if rep[1] is not None:
                 failures[r] = rep[1]
-        held: dict[int, list[str]] = {r: [] for r in range(self.world)}
-        for holder, rep in enumerate(reports):
-            for src, icrc, rerr in rep[2]:
-                rec = records.get(src)
-                if rerr is not None:
-                    if reports[src][1] is not None:
-                        continue  # the owner failed (counted above); the holder got nothing
-                    failures.setdefault(holder, f"replica of rank {src}: {rerr}")
-                elif rec is not None and icrc != summary[src][1]:
-                    failures.setdefault(holder, f"replica of rank {src} does not match its owner's crc32c")
-                    full[holder] = False
-                else:
-                    held[src].append(self.nodes[holder])
-        redundancy: Redundancy | None = None
-        if self.groups and not failures:
-            groups = []
-            rs = self.scheme == "rs"
-            for members in self.groups:
-                layout = stripe_layout([records[m].size for m in members], self.parity)
-                expect = self.parity * rs_piece_size(layout) if rs else layout.segment_size
-                for m in members:
-                    par = reports[m][6]
-                    if par is None or par[0] != expect:
-                        failures.setdefault(m, f"{self.scheme.upper()} parity not stored (got {par}, "
-                                               f"expected {expect} bytes)")
-                groups.append(ParityGroup(members, layout.segment_size,
-                                          tuple(reports[m][6][1] if reports[m][6] else 0 for m in members),
-                                          expect if rs else -1))
-            redundancy = Redundancy(self.scheme, tuple(groups), self.parity,
-                                    layout.ec_type or RS_DEFAULT_EC_TYPE if rs else "")
+        held, redundancy = self.redundancy.verify(reports, records, summary, self.nodes, failures, full)
         if failures:
             # Skipped (not an error) only when every failing rank ran out of node-store room.
             return ("abort", (failures, all(full[r] for r in failures)))
@@ -1118,10 +700,9 @@ class SnapshotEngine:
             if self.is_leader:
                 self.store.uncommit(step)  # manifest first: a half-evicted step is never chosen
             if slot is not None:
-                self._release_slot(slot)
-                for rs in replica_slots:
-                    self._release_slot(rs)
-                self.store._rmdir_if_empty(step)
+                for held in (slot, *replica_slots):
+                    self.slots.release(held)
+                self.store.remove_dir_if_empty(step)
             elif self.is_leader:
                 self.store.remove_step(step)  # from an earlier run: nobody maps its files
         if self.stager.pins:

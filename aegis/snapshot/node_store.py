@@ -56,7 +56,7 @@ from aegis.snapshot.shard import (
     verify_chunks,
 )
 
-__all__ = ["NodeStore", "Slot", "StepInfo", "PartialManifestError", "default_store_root"]
+__all__ = ["NodeStore", "Slot", "StepInfo", "PartialManifestError", "default_store_root", "is_store_full"]
 
 # Names this module wrote itself and nothing else: ASCII digits only (``\d`` would take any
 # Unicode digit, "step-٠٠٠٠٠٠٠٧" too), matched in full (``$`` would allow a trailing newline).
@@ -71,6 +71,13 @@ def default_store_root() -> Path:
 
 
 _JOB_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}")
+
+
+def is_store_full(e: BaseException) -> bool:
+    """A full tmpfs (or quota): the snapshot is skipped, not the training run."""
+    if isinstance(e, StoreFullError):
+        return True
+    return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 def check_job_name(job: str) -> str:
@@ -324,9 +331,9 @@ class NodeStore:
     def remove_shard(self, step: int, rank: int) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.shard_path(step, rank))
-        self._rmdir_if_empty(step)
+        self.remove_dir_if_empty(step)
 
-    def _rmdir_if_empty(self, step: int) -> None:
+    def remove_dir_if_empty(self, step: int) -> None:
         with contextlib.suppress(OSError):
             os.rmdir(self.step_dir(step))
 

@@ -1,0 +1,118 @@
+"""One rank's slots in its node store: the free pools and how slots move between them.
+
+A :class:`~aegis.snapshot.node_store.Slot` is a mapped shard file reused across snapshots (see
+its docstring). A rank keeps three free pools, one per kind: its own shards (``rank``), the
+replicas it holds for other ranks (``replica``) and its parity files (``parity``). A slot
+leaves its pool by rename into a step directory when a snapshot fills it, and returns by
+rename under a fresh pool name when that step is evicted or aborted. The
+:class:`~aegis.snapshot.engine.SnapshotEngine` owns one :class:`SlotPools`; the redundancy
+schemes (:mod:`.redundancy`) take their slots from it. Costs are per rank and do not grow with
+the world size: keep + 1 own slots, one replica slot per source rank, one parity slot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from pathlib import Path
+
+from aegis.snapshot import hostmem
+from aegis.snapshot.node_store import NodeStore, Slot
+from aegis.snapshot.shard import ShardLayout
+
+__all__ = ["SlotPools"]
+
+
+class SlotPools:
+    """The free slots of one rank (``pins``: own slots keep their mappings, device staging).
+
+    Thread-safe: the training thread takes own slots, the engine's worker thread takes replica
+    and parity slots and returns every kind. ``lock`` is shared with the engine, which also
+    guards its committed list with it."""
+
+    def __init__(self, store: NodeStore, rank: int, *, pins: bool, lock: threading.RLock) -> None:
+        self.store = store
+        self.rank = rank
+        self.pins = pins
+        self.lock = lock
+        self.own: list[Slot] = [Slot(p, keep=pins) for p in store.free_slots(rank)]
+        self._replica: list[Slot] = [Slot(p, "replica") for p in store.free_slots(rank, "replica")]
+        self._parity: list[Slot] = [Slot(p, "parity") for p in store.free_slots(rank, "parity")]
+        self._next = 1 + max((int(p.path.name.rsplit(".", 1)[1]) for p in self.spares()), default=0)
+
+    def adopt_kept(self) -> None:
+        """Free slots this process mapped (and registered) under an earlier engine, e.g. in the
+        previous in-process round, possibly under another rank number: renamed into this rank's
+        own pool, so that their registration is not paid again."""
+        hostmem.sweep()
+        mine = {p.path for p in self.own}
+        for path in sorted(self.store.slots_dir.glob("rank-*")):
+            if path in mine or hostmem.lookup(str(path)) is None:
+                continue
+            with contextlib.suppress(OSError):
+                slot = Slot(path, keep=True)
+                slot.move(self.name("rank"))
+                self.own.append(slot)
+
+    def name(self, kind: str) -> Path:
+        """A fresh free-pool path of ``kind`` for this rank."""
+        with self.lock:
+            k = self._next
+            self._next += 1
+        return self.store.slot_path(self.rank, k, kind)
+
+    def new_own(self) -> Slot:
+        return Slot(self.name("rank"), keep=self.pins)
+
+    def take_own(self, step: int, layout: ShardLayout) -> Slot:
+        """An own slot sized for ``layout``, moved to this rank's shard path of ``step``."""
+        with self.lock:
+            slot = self.own.pop() if self.own else self.new_own()
+        slot.ensure(layout.tensor_end)
+        slot.move(self.store.shard_path(step, self.rank))
+        return slot
+
+    def take_replica(self, step: int, src: int, size: int) -> Slot:
+        """A replica slot of ``size`` bytes, moved to ``src``'s shard path of ``step``."""
+        with self.lock:
+            slot = self._replica.pop() if self._replica else Slot(self.name("replica"), "replica")
+        slot.ensure(size)
+        slot.move(self.store.shard_path(step, src))
+        return slot
+
+    def take_parity(self) -> Slot:
+        """A parity slot, still in the pool's directory (the scheme sizes and moves it)."""
+        with self.lock:
+            return self._parity.pop() if self._parity else Slot(self.name("parity"), "parity")
+
+    def release(self, slot: Slot) -> None:
+        """Back to the pool of its kind, under a fresh name."""
+        with self.lock:
+            slot.move(self.name(slot.kind))
+            {"replica": self._replica, "parity": self._parity}.get(slot.kind, self.own).append(slot)
+
+    def discard(self, step: int, slots: list[Slot | None]) -> None:
+        """An aborted step's files go back to the pools (never left in the step directory)."""
+        with contextlib.suppress(Exception):
+            for slot in slots:
+                if slot is not None:
+                    self.release(slot)
+            self.store.remove_dir_if_empty(step)
+
+    def spares(self) -> list[Slot]:
+        return [*self.own, *self._replica, *self._parity]
+
+    def unlink_spares(self, *, keep_own: bool = False) -> None:
+        """Delete the free slots' files (``keep_own``: the own pool's files stay, with their
+        mappings, for the next round's engine) and forget every spare."""
+        for slot in (self._replica + self._parity) if keep_own else self.spares():
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(slot.path)
+        self.own.clear()
+        self._replica.clear()
+        self._parity.clear()
+
+    def reusable_bytes(self) -> int:
+        """Bytes the own pool's files already hold (the capacity check counts them as free)."""
+        return sum(os.path.getsize(s.path) for s in self.own if s.path.exists())
