@@ -168,7 +168,7 @@ def _restore_rank(rank: int, world: int, root: str, mb: float, phase: str, lost:
     else:
         r = mgr.last_restore
         assert r is not None and step == 1
-        remote = [x for x in r.sources if x["tier"] != "local"]
+        remote = [x for x in r.sources if x["source"] != "local"]
         out.update(read=r.bytes_read, fetched=r.bytes_fetched,
                    read_remote=sum(x["bytes_read"] for x in remote),
                    fetched_remote=sum(x.get("fetch_bytes", 0) for x in remote),

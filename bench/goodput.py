@@ -192,7 +192,7 @@ def run_arm(args: argparse.Namespace, name: str, work: Path, every: int, durable
                  restore_s=max(e.get("seconds", 0.0) for e in events
                                if e["event"] == "restore" and e.get("found")
                                and abs(e["time"] - rs["time"]) < 10),
-                 restore_tiers=sorted({s["tier"] for s in rs.get("sources", [])}))
+                 restore_sources=sorted({s.get("source", s["tier"]) for s in rs.get("sources", [])}))
         restart_s.append(first["time"] - k["t_kill"] - t)
         recompute_s.append((last["step"] - rs["step"]) * t + max(0.0, k["t_kill"] - last["time"]))
         if in_process:

@@ -477,12 +477,12 @@ def run_arm(arm: str, args: argparse.Namespace, spec: str, work: Path, extra: li
         "steps_lost": last_logged - restored, "wall_per_step_before_kill_s": step_s,
         "phases": phases, "in_process": inproc,
         "restore_event_seconds_max": max(e["seconds"] for e in restores),
-        "restore_tiers": sorted({s["tier"] for e in restores for s in e.get("sources", [])}),
+        "restore_sources": sorted({s.get("source", s["tier"]) for e in restores for s in e.get("sources", [])}),
         "worker_start": _worker_start(work, t_kill, starts, spawned),
         "losses": losses, "start_events": starts, "restore_events": restores,
     }
     peer = [s for e in restores if e["_node"] == replacement for s in e.get("sources", [])
-            if s["tier"] == "peer"]
+            if s.get("source", s["tier"]) == "peer"]
     if peer:  # every shard of one exchange round reports the round's time: take the longest
         fb = sum(s.get("fetch_bytes", 0) for s in peer)
         fs = max(s.get("fetch_s", 0.0) for s in peer)
@@ -512,9 +512,9 @@ def report(doc: dict[str, Any]) -> str:
         p = r["phases"]
         rows.append([arm, *(f(p[k]) for k, _ in PHASES), f(p["total_s"]),
                      str(r["steps_lost"]), f"{r['restored_step']}",
-                     "+".join(r["restore_tiers"]) or "-"])
+                     "+".join(r.get("restore_sources", r.get("restore_tiers", []))) or "-"])
     out = text_table(["arm", *(label.split(" (")[0] for _, label in PHASES), "total s",
-                      "steps lost", "restored", "tiers"], rows)
+                      "steps lost", "restored", "sources"], rows)
     g = doc.get("gloo")
     if g:
         out += (f"\nraw gloo send/recv on loopback: {g['median_gbps']:.2f} GB/s (median of "

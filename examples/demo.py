@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         read += e["bytes"]
         fetched += e.get("bytes_fetched", 0)
         for s in e["sources"]:
-            tiers[s["tier"]] = tiers.get(s["tier"], 0) + 1
+            tiers[s["source"]] = tiers.get(s["source"], 0) + 1
     src = ", ".join(f"{k}: {v} shard reads" for k, v in sorted(tiers.items()))
     print(f"  {t_restored - t_kill:6.2f}  restore     step {restored} on {len(restores)} ranks in {secs:.2f} s "
           f"({fmt_bytes(read)} read, {read / secs / 1e9:.3f} GB/s; {fmt_bytes(fetched)} fetched from peers; {src})")
@@ -299,7 +299,7 @@ def in_process(args: argparse.Namespace, work: Path, train: list[str], reference
     src: dict[str, int] = {}
     for e in shrink_restores:
         for x in e["sources"]:
-            src[x["tier"]] = src.get(x["tier"], 0) + 1
+            src[x["source"]] = src.get(x["source"], 0) + 1
     print(f"  {t_restored - t_kill:6.2f}  restore     step {restored} resharded to {len(shrink_restores)} ranks "
           f"({', '.join(f'{k}: {v} shard reads' for k, v in sorted(src.items()))})")
     if first:

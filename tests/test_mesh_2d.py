@@ -90,7 +90,7 @@ def _restore(rank: int, world: int, root: str, layout: str) -> dict[str, Any]:
     model, opt, sched, dp = _build(layout, world, seed=5)
     mgr = _manager(root, rank, model, opt, sched)
     step = mgr.restore()
-    tiers = sorted({s["tier"] for s in mgr.last_restore.sources}) if mgr.last_restore else []
+    tiers = sorted({s["source"] for s in mgr.last_restore.sources}) if mgr.last_restore else []
     mgr.close()
     full = _full(model, opt)
     return {"step": step, "full": full, "tiers": tiers, "loss4": train_step(model, opt, sched, 4, dp)}

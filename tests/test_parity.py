@@ -106,13 +106,13 @@ def test_xor_keeps_a_quarter_more_rebuilds_one_lost_node_bitwise_and_names_more_
     assert [o["step"] for o in out] == [3] * 5, out
     assert_bitwise_equal(saved[0]["full"], out[0]["full"])
     src = {s["shard"]: s for s in out[2]["sources"]}[2]
-    assert src["tier"] == "rebuild" and src["fetch_bytes"] > 0, src
+    assert src["source"] == "rebuild" and src["fetch_bytes"] > 0, src
     # shrink to the four survivors (resharding): whoever reads rank 2's old shard rebuilds it
     lose(store_dir, "f")
     out = _restore_xor(4, store_dir, ["a", "b", "d", "e"], {})
     assert [o["step"] for o in out] == [3] * 4, out
     assert_bitwise_equal(saved[0]["full"], out[0]["full"])
-    assert any(s["tier"] == "rebuild" for o in out for s in o["sources"])
+    assert any(s["source"] == "rebuild" for o in out for s in o["sources"])
     # two more members of the group lost: more than XOR parity covers, and no durable tier
     lose(store_dir, "b")
     lose(store_dir, "d")
@@ -224,14 +224,14 @@ def test_rs_3_plus_2_rebuilds_two_lost_nodes_bitwise_and_names_a_third(
     assert_bitwise_equal(saved[0]["full"], out[0]["full"])
     for r in (2, 4):
         src = {s["shard"]: s for s in out[r]["sources"]}[r]
-        assert src["tier"] == "rebuild" and src["fetch_bytes"] > 0, src
+        assert src["source"] == "rebuild" and src["fetch_bytes"] > 0, src
     # shrink to the three survivors: readers of ranks 2 and 4's old shards rebuild them
     lose(store_dir, "f")
     lose(store_dir, "g")
     out = _restore_xor(3, store_dir, ["a", "b", "d"], RS)
     assert [o["step"] for o in out] == [3] * 3, out
     assert_bitwise_equal(saved[0]["full"], out[0]["full"])
-    assert any(s["tier"] == "rebuild" for o in out for s in o["sources"])
+    assert any(s["source"] == "rebuild" for o in out for s in o["sources"])
     # a third member lost: more than 3+2 parity covers, no durable tier: the error names it
     lose(store_dir, "b")
     out = _restore_xor(2, store_dir, ["a", "d"], RS)
@@ -274,7 +274,7 @@ def test_a_node_lost_during_recovery(scheme: str, store_dir: Path) -> None:
     assert [o["step"] for o in out] == [3] * 5, out
     assert_bitwise_equal(saved[0]["full"], out[0]["full"])
     for r in (2, 4) if scheme == "rs" else (2,):
-        assert {s["shard"]: s for s in out[r]["sources"]}[r]["tier"] == "rebuild", out[r]["sources"]
+        assert {s["shard"]: s for s in out[r]["sources"]}[r]["source"] == "rebuild", out[r]["sources"]
 
 
 @pytest.mark.parametrize("damage", ["missing", "corrupt"])
@@ -294,7 +294,7 @@ def test_rs_rebuild_reads_around_a_missing_or_corrupt_parity_file(damage: str, s
     out = _restore_xor(5, store_dir, ["a", "b", "f", "d", "e"], RS)
     assert [o["step"] for o in out] == [3] * 5, out
     assert_bitwise_equal(saved[0]["full"], out[0]["full"])
-    assert {s["shard"]: s for s in out[2]["sources"]}[2]["tier"] == "rebuild", out[2]["sources"]
+    assert {s["shard"]: s for s in out[2]["sources"]}[2]["source"] == "rebuild", out[2]["sources"]
 
 
 def _uneven(rank: int, world: int, root: str, in_round: bool) -> Any:

@@ -67,11 +67,11 @@ def test_replacement_node_restores_from_peer_memory(store_dir: Path) -> None:
     assert_bitwise_equal(saved, out[0]["full"])
     # ranks 2 and 3 (the new node) read their own shards, fetched from node a
     for r in (2, 3):
-        tiers = {s["shard"]: (s["tier"], s["node"]) for s in out[r]["sources"]}
+        tiers = {s["shard"]: (s["source"], s["node"]) for s in out[r]["sources"]}
         assert tiers[r] == ("peer", "a")
         assert out[r]["fetched"] > 0
     for r in (0, 1):
-        tiers = {s["shard"]: s["tier"] for s in out[r]["sources"]}
+        tiers = {s["shard"]: s["source"] for s in out[r]["sources"]}
         assert tiers[r] == "local"
     # the replacement node now holds the committed step
     assert NodeStore(store_dir / "c", JOB).steps()[0].committed
@@ -83,7 +83,7 @@ def test_shrink_to_the_surviving_node(store_dir: Path) -> None:
     out = run_ranks(2, _restore, str(store_dir), ["a", "a"], 1)
     assert [o["step"] for o in out] == [3, 3]
     assert_bitwise_equal(saved, out[0]["full"])
-    assert all(s["tier"] == "local" for o in out for s in o["sources"])  # a held b's replicas
+    assert all(s["source"] == "local" for o in out for s in o["sources"])  # a held b's replicas
 
 
 def test_corrupt_replica_is_detected_and_another_source_used(store_dir: Path) -> None:
@@ -95,7 +95,7 @@ def test_corrupt_replica_is_detected_and_another_source_used(store_dir: Path) ->
     assert [o["step"] for o in out] == [3, 3, 3]
     assert_bitwise_equal(saved, out[0]["full"])
     src = {s["shard"]: s for s in out[0]["sources"]}[0]
-    assert (src["tier"], src["node"]) == ("peer", "c")
+    assert (src["source"], src["node"]) == ("peer", "c")
     assert any("rank 0" in x and "chunk 0" in x for x in out[0]["skipped"]), out[0]["skipped"]
 
 
@@ -120,7 +120,7 @@ def test_a_reshard_fetches_only_the_bytes_it_reads(store_dir: Path) -> None:
     out = run_ranks(3, _restore, str(store_dir), ["a", "b", "c"], 2)
     assert [o["step"] for o in out] == [3, 3, 3], out
     assert_bitwise_equal(saved, out[0]["full"])
-    peer = [s for o in out for s in o["sources"] if s["tier"] == "peer"]
+    peer = [s for o in out for s in o["sources"] if s["source"] == "peer"]
     assert peer and all(s["fetch_bytes"] <= 1.5 * s["bytes_read"] for s in peer), peer
     ranged = [s for s in peer if s["fetch_bytes"] <= 1.02 * s["bytes_read"]]
     assert ranged, peer  # at least one fetch moved the bytes read and no more

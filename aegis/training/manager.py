@@ -368,7 +368,7 @@ class Manager:
             sources=result.sources,
             skipped=result.skipped,
         )
-        tiers = sorted({s["tier"] for s in result.sources})
+        tiers = sorted({s["source"] for s in result.sources})
         self.events.say(
             f"restored step {result.step} ({format_bytes(result.manifest.total_bytes)} from "
             f"{result.manifest.world_size} rank(s) -> {self.world}) in {total * 1e3:.0f} ms; rank 0 "

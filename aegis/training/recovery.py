@@ -304,7 +304,10 @@ def restore_newest(
         origin = outcome.origin.get(shard)
         sources.append({
             "shard": shard,
-            "tier": "local" if origin is None else (origin[0] if origin[0] in (DURABLE, REBUILD) else "peer"),
+            # source: where this shard came from (local, peer, rebuild, durable); tier: the
+            # tier that held it (memory or durable), the CLI's word
+            "source": "local" if origin is None else (origin[0] if origin[0] in (DURABLE, REBUILD) else "peer"),
+            "tier": "durable" if origin is not None and origin[0] == DURABLE else "memory",
             "node": node if origin is None else origin[0],
             "bytes_read": nread,
             "read_s": round(reader.seconds_by_rank.get(shard, 0.0), 6),

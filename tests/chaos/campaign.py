@@ -714,7 +714,7 @@ class Campaign:
             rec.in_place = len({e["round"] for e in events if e["event"] == "recovery"})
         rec.relaunches = sum(1 for t, _ in self.relaunches if rec.t_start <= t <= rec.t_resolved)
         rec.restored = [e["step"] for e in restores]
-        rec.tiers = sorted({s["tier"] for e in events if e["event"] == "restore" and e.get("found")
+        rec.tiers = sorted({s.get("source", s["tier"]) for e in events if e["event"] == "restore" and e.get("found")
                             for s in e.get("sources", [])})
         during = [x for x in losses if x["time"] >= rec.t_start]
         times = [rec.t_start] + [x["time"] for x in during]
