@@ -188,7 +188,7 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, shape: dict[str,
             rec["seconds"] = time.perf_counter() - t0
             r = mgr.last_restore
             rec["step"] = step
-            rec["sources"] = sorted({s["source"] for s in r.sources}) if r else []
+            rec["tiers"] = sorted({s["source"] for s in r.sources}) if r else []  # sources (local, peer, ...)
             rec["bytes_read"] = r.bytes_read if r else 0
             rec["bytes_fetched"] = r.bytes_fetched if r else 0
             rec["timings"] = dict(r.timings) if r else {}
@@ -238,7 +238,7 @@ def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
 def report(doc: dict[str, Any]) -> str:
     s = doc["summary"]
     rows = [[k, f(v["median_s"], ".3f"), f(v["min_s"], ".3f"), f(v["mbps"], ".0f"),
-             "+".join(v.get("sources", v.get("tiers", []))) or "-", "yes" if v["bitwise_equal"] else "NO",
+             "+".join(v["tiers"]) or "-", "yes" if v["bitwise_equal"] else "NO",
              f(v["manager_init_s"], ".2f")] for k, v in s["sources"].items()]
     out = text_table(["source", "median s", "min s", "MB/s", "tiers", "bitwise",
                       "Manager() s"], rows)
