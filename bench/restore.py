@@ -75,8 +75,10 @@ EXPECTED_TIER = {"own memory": "local", "peer memory": "peer", "durable S3": "du
 def _parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--world", type=int, default=2, help="ranks = simulated nodes; default 2")
-    p.add_argument("--state-mb", type=float, default=96.0,
-                   help="MB of params + AdamW moments over all ranks; default 96")
+    p.add_argument("--state-mb", type=lambda v: [float(x) for x in v.split(",")], default=[96.0],
+                   help="MB of params + AdamW moments over all ranks; default 96; several "
+                        "(comma-separated, e.g. 256,1024,2048) measure the growth in state size, "
+                        "each in its own ranks; the largest is the summary")
     size_arg(p)
     p.add_argument("--train-steps", type=int, default=3, help="steps before the save")
     p.add_argument("--batch-size", type=int, default=2)
@@ -151,6 +153,8 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, shape: dict[str,
         dist.barrier()
         out["save"][name] = {"seconds": time.perf_counter() - t0}
 
+    out["floors"] = _floors(rank, world, store, args.train_steps, paths)
+
     # -- restore from each source ---------------------------------------------------------------
     def perturb() -> None:
         with torch.no_grad():
@@ -209,6 +213,86 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, shape: dict[str,
     return out
 
 
+def _floors(rank: int, world: int, store: Path, step: int, paths: dict[str, str]) -> dict[str, float]:
+    """What the hardware and the servers allow for this rank's own shard (the ``s3`` job's),
+    measured in the same run, every rank at once as in the restores:
+
+    * ``copy_s`` + ``crc_s``: one memcpy of the shard's bytes out of its (populated) tmpfs
+      mapping into private memory, and one crc32c over them (one thread each): what a restore
+      from own memory cannot go below;
+    * ``transport_s``: the shard's bytes from rank 0 to rank 1 over a fresh gloo group of the
+      same kind as aegis' transport (the peer restore moves rank 1's shard from node 0);
+    * ``boto3_put_s`` / ``boto3_get_s``: the same bytes uploaded as one object and downloaded
+      with boto3's managed transfer (``upload_fileobj`` / ``download_fileobj``, default
+      ``TransferConfig``) against the same moto server: the server's own floor."""
+    import io
+    import mmap
+
+    import boto3
+    import crc32c
+    import torch
+    import torch.distributed as dist
+
+    from aegis.snapshot.node_store import NodeStore
+
+    path = NodeStore(store, "s3").shard_path(step, rank)
+    out: dict[str, float] = {"shard_bytes": float(path.stat().st_size)}
+    with open(path, "rb") as fh:
+        m = mmap.mmap(fh.fileno(), 0, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                      prot=mmap.PROT_READ)
+    try:
+        src = torch.frombuffer(m, dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        dst.fill_(1)  # pages faulted in before the timing, as a restore's targets are
+        dist.barrier()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        out["copy_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        crc32c.crc32c(memoryview(m))
+        out["crc_s"] = time.perf_counter() - t0
+        del src
+    finally:
+        m.close()
+    if world > 1:
+        g = dist.new_group(backend="gloo")
+        n = int(dst.numel())
+        sizes = [torch.tensor([n]) for _ in range(world)]
+        dist.all_gather(sizes, torch.tensor([n]), group=g)
+        n1 = int(sizes[1])
+        buf = dst[:n1] if rank == 0 and n1 <= n else torch.ones(n1, dtype=torch.uint8)
+        warm = torch.zeros(1 << 20, dtype=torch.uint8)
+        if rank == 0:
+            dist.send(warm, 1, group=g)
+        elif rank == 1:
+            dist.recv(warm, 0, group=g)
+        dist.barrier(group=g)
+        t0 = time.perf_counter()
+        if rank == 0:
+            dist.send(buf, 1, group=g)
+        elif rank == 1:
+            dist.recv(buf, 0, group=g)
+        dist.barrier(group=g)
+        out["transport_s"] = time.perf_counter() - t0
+        dist.destroy_process_group(g)
+    s3 = boto3.client("s3", region_name="us-east-1")
+    bucket = paths["s3"].split("/")[2]
+    key = f"floor/rank-{rank}"
+    body = memoryview(dst.numpy())  # type: ignore[arg-type]
+    dist.barrier()
+    t0 = time.perf_counter()
+    s3.upload_fileobj(io.BytesIO(body), bucket, key)
+    out["boto3_put_s"] = time.perf_counter() - t0
+    dist.barrier()
+    sink = io.BytesIO()
+    t0 = time.perf_counter()
+    s3.download_fileobj(bucket, key, sink)
+    out["boto3_get_s"] = time.perf_counter() - t0
+    s3.delete_object(Bucket=bucket, Key=key)
+    dist.barrier()
+    return out
+
+
 def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     state = sum(r["tensor_bytes"] for r in ranks)
     rows: dict[str, Any] = {}
@@ -232,7 +316,25 @@ def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         }
     save = {k: max(r["save"][k].get("durable_s", r["save"][k].get("seconds", 0.0))
                    for r in ranks) for k in ranks[0]["save"]}
-    return {"state_bytes": state, "sources": rows, "save_s": save}
+    floors = {k: max(r["floors"][k] for r in ranks if k in r["floors"])
+              for k in ranks[0]["floors"] if k != "shard_bytes"}
+    floors["memory_s"] = max(r["floors"]["copy_s"] + r["floors"]["crc_s"] for r in ranks)
+    med = {k: v["median_s"] for k, v in rows.items()}
+    # the ratios the issue's criteria are stated in (issue 39)
+    ratios = {
+        "own memory / dcp dir": _ratio(med.get("own memory"), med.get("dcp dir")),
+        "own memory / memcpy+crc32c floor": _ratio(med.get("own memory"), floors["memory_s"]),
+        "peer memory / transport floor": _ratio(med.get("peer memory"), floors.get("transport_s")),
+        "durable dir / dcp dir": _ratio(med.get("durable dir"), med.get("dcp dir")),
+        "durable S3 / boto3 download": _ratio(med.get("durable S3"), floors.get("boto3_get_s")),
+        "durable save dir / dcp.save dir": _ratio(save.get("aegis file"), save.get("dcp dir")),
+        "durable save S3 / boto3 upload": _ratio(save.get("aegis s3"), floors.get("boto3_put_s")),
+    }
+    return {"state_bytes": state, "sources": rows, "save_s": save, "floors": floors, "ratios": ratios}
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
 
 
 def report(doc: dict[str, Any]) -> str:
@@ -244,6 +346,9 @@ def report(doc: dict[str, Any]) -> str:
                       "Manager() s"], rows)
     out += "\nsave (until durable / complete), slowest rank: " + ", ".join(
         f"{k} {v:.2f} s" for k, v in s["save_s"].items())
+    out += "\nfloors, slowest rank (same run): " + ", ".join(
+        f"{k} {v:.3f} s" for k, v in s["floors"].items())
+    out += "\nratios: " + ", ".join(f"{k} {f(v, '.2f')}" for k, v in s["ratios"].items())
     return out
 
 
@@ -255,6 +360,12 @@ def summary_md(doc: dict[str, Any]) -> str:
                     "seconds (median)", "MB/s", "bitwise equal"], rows)
     for k, why in doc.get("not_measured", {}).items():
         out += f"\n\n{k}: not measured: {why}"
+    if "floors" in s:
+        out += ("\n\nFloors measured in the same run (slowest rank): " + ", ".join(
+            f"{k} {v:.3f} s" for k, v in s["floors"].items()) + ". Ratios: " + "; ".join(
+            f"{k} {f(v, '.2f')}" for k, v in s["ratios"].items()) + ".")
+    if len(doc.get("by_size", [])) > 1:
+        out += "\n\nGrowth in state size (median s, slowest rank):\n\n" + growth_table(doc)
     return out
 
 
@@ -281,18 +392,11 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     pyplot.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = _parse(argv)
-    doc = new_doc(NAME, __file__, argv, args)
-    shape = gpt_shape(args.state_mb * args.size)
-    doc["model"] = shape
+def _one_size(args: argparse.Namespace, shape: dict[str, int], no_s3fs: str | None) -> list[dict[str, Any]]:
     work = Path(tempfile.mkdtemp(prefix="aegis-bench-restore-", dir=args.work_dir))
     shm = Path(tempfile.mkdtemp(prefix="aegis-bench-restore-", dir="/dev/shm"))
     paths = {"stores": str(shm / "stores"), "events": str(work / "events"),
              "file": f"file://{work}/durable", "dcp_dir": str(work / "dcp")}
-    no_s3fs = have_s3fs()
-    doc["not_measured"] = {"dcp s3fs": no_s3fs} if no_s3fs else {}
     print(f"{NAME}: {args.world} nodes, TinyGPT {shape['params'] / 1e6:.1f}M params "
           f"({shape['state_bytes'] / MB:.0f} MB state), {args.repeats} restores per source",
           flush=True)
@@ -301,18 +405,47 @@ def main(argv: list[str] | None = None) -> int:
         bucket = moto.bucket()
         paths.update(s3=f"s3://{bucket}/aegis", dcp_s3=f"s3://{bucket}/dcp")
         s3kw = None if no_s3fs else moto.s3fs_kwargs()  # aegis reaches S3 through boto3
-        ranks = run_ranks(args.world, _rank_main, args, shape, paths, s3kw,
-                          timeout=args.timeout, env=moto.env,
-                          rank_env=lambda r: {"AEGIS_NODE_ID": f"node-{r}"})
+        return run_ranks(args.world, _rank_main, args, shape, paths, s3kw,
+                         timeout=args.timeout, env=moto.env,
+                         rank_env=lambda r: {"AEGIS_NODE_ID": f"node-{r}"})
     finally:
         moto.stop()
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
-    doc["summary"] = summarize(ranks)
-    doc["ranks"] = ranks
-    print(report(doc))
-    bad = {k: v for k, v in doc["summary"]["sources"].items()
-           if not (v["bitwise_equal"] and v["tier_ok"])}
+
+
+def growth_table(doc: dict[str, Any], *, md: bool = True) -> str:
+    """Median restore (and durable save) seconds of every source at every measured size."""
+    sizes = doc.get("by_size") or [{"summary": doc["summary"]}]
+    names = list(sizes[-1]["summary"]["sources"])
+    saves = list(sizes[-1]["summary"]["save_s"])
+    head = ["state MB", *names, *(f"save {k}" for k in saves), "floor memcpy+crc32c"]
+    rows = [[f"{s['summary']['state_bytes'] / MB:.0f}",
+             *(f(s["summary"]["sources"].get(n, {}).get("median_s"), ".3f") for n in names),
+             *(f(s["summary"]["save_s"].get(k), ".2f") for k in saves),
+             f(s["summary"].get("floors", {}).get("memory_s"), ".3f")] for s in sizes]
+    return md_table(head, rows) if md else text_table(head, rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parse(argv)
+    doc = new_doc(NAME, __file__, argv, args)
+    no_s3fs = have_s3fs()
+    doc["not_measured"] = {"dcp s3fs": no_s3fs} if no_s3fs else {}
+    doc["by_size"] = []
+    bad: dict[str, Any] = {}
+    for mb in sorted(args.state_mb):
+        shape = gpt_shape(mb * args.size)
+        ranks = _one_size(args, shape, no_s3fs)
+        summary = summarize(ranks)
+        doc["by_size"].append({"model": shape, "summary": summary, "ranks": ranks})
+        doc["model"], doc["summary"] = shape, summary  # the largest size's
+        print(report(doc), flush=True)
+        bad.update({f"{k} ({mb:g} MB)": v for k, v in summary["sources"].items()
+                    if not (v["bitwise_equal"] and v["tier_ok"])})
+    if len(doc["by_size"]) > 1:
+        print(growth_table(doc, md=False))
     if bad:
         doc["errors"]["restore"] = f"not bitwise equal or wrong tier: {sorted(bad)}"
         print(f"ERROR: {doc['errors']['restore']}")
