@@ -29,7 +29,7 @@ import zstandard
 
 from aegis.errors import CorruptShardError
 
-__all__ = ["Codec", "decode", "FLOAT_DTYPES"]
+__all__ = ["Codec", "decode", "decode_into", "FLOAT_DTYPES"]
 
 
 # The splits and joins work on the element's bytes (uint8 planes), not on its integer value:
@@ -51,12 +51,10 @@ def _bf16_split(raw: bytes) -> list[np.ndarray]:
     return [exponent, sign_mantissa]
 
 
-def _bf16_join(planes: list[np.ndarray]) -> bytes:
+def _bf16_join(planes: list[np.ndarray], out: np.ndarray) -> None:
     e, sm = planes
-    out = np.empty((len(e), 2), dtype=np.uint8)
     out[:, 0] = (sm & 0x7F) | (e << 7)
     out[:, 1] = (sm & 0x80) | (e >> 1)
-    return out.tobytes()
 
 
 def _f32_split(raw: bytes) -> list[np.ndarray]:
@@ -67,14 +65,12 @@ def _f32_split(raw: bytes) -> list[np.ndarray]:
     return [exponent, np.ascontiguousarray(b[:, 0]), np.ascontiguousarray(b[:, 1]), top]
 
 
-def _f32_join(planes: list[np.ndarray]) -> bytes:
+def _f32_join(planes: list[np.ndarray], out: np.ndarray) -> None:
     e, r0, r1, r2 = planes
-    out = np.empty((len(e), 4), dtype=np.uint8)
     out[:, 0] = r0
     out[:, 1] = r1
     out[:, 2] = (r2 & 0x7F) | (e << 7)
     out[:, 3] = (r2 & 0x80) | (e >> 1)
-    return out.tobytes()
 
 
 _SPLIT = {"bfloat16": (_bf16_split, _bf16_join), "float32": (_f32_split, _f32_join)}
@@ -155,11 +151,31 @@ class Codec:
 
 def decode(blob: bytes, descriptor: str, length: int, *, where: str = "chunk") -> bytes:
     """The original ``length`` bytes of a chunk; CorruptShardError on damaged input."""
+    if descriptor == "raw":
+        if len(blob) != length:
+            raise CorruptShardError(f"{where}: decoded {len(blob)} bytes, expected {length}",
+                                    step=-1, rank=-1, where=where)
+        return blob
+    out = bytearray(length)
+    decode_into(blob, descriptor, memoryview(out), where=where)
+    return bytes(out)
+
+
+def decode_into(blob: bytes, descriptor: str, out: memoryview, *, where: str = "chunk") -> None:
+    """Decode a chunk straight into ``out`` (writable, exactly the chunk's length: e.g. its
+    place in a shard file being rebuilt), with no intermediate copy of the whole chunk;
+    CorruptShardError on damaged input (``out`` then holds garbage)."""
+    length = len(out)
     try:
         if descriptor == "raw":
-            out = blob
+            if len(blob) != length:
+                raise ValueError(f"decoded {len(blob)} bytes, expected {length}")
+            out[:] = blob
         elif descriptor == "zstd":
-            out = _decompressor().decompress(blob, max_output_size=length)
+            data = _decompressor().decompress(blob, max_output_size=length)
+            if len(data) != length:
+                raise ValueError(f"decoded {len(data)} bytes, expected {length}")
+            out[:] = data
         elif descriptor.startswith(("planes:", "xplanes:")):
             kind, n_s, mask = descriptor.split(":")
             xsplit = _SPLIT.get(n_s) if kind == "xplanes" else None
@@ -181,18 +197,13 @@ def decode(blob: bytes, descriptor: str, length: int, *, where: str = "chunk") -
                 if len(plane) != count:
                     raise ValueError(f"plane {i} has {len(plane)} bytes, expected {count}")
                 planes.append(np.frombuffer(plane, dtype=np.uint8))
+            dest = np.frombuffer(out, dtype=np.uint8).reshape(count, n)
             if xsplit is not None:
-                out = xsplit[1](planes)
+                xsplit[1](planes, dest)
             else:
-                out_arr = np.empty((count, n), dtype=np.uint8)
                 for i, plane_arr in enumerate(planes):
-                    out_arr[:, i] = plane_arr
-                out = out_arr.tobytes()
+                    dest[:, i] = plane_arr
         else:
             raise ValueError(f"unknown codec {descriptor!r}")
     except (ValueError, struct.error, zstandard.ZstdError) as e:
         raise CorruptShardError(f"{where}: cannot decode ({e})", step=-1, rank=-1, where=where) from e
-    if len(out) != length:
-        raise CorruptShardError(f"{where}: decoded {len(out)} bytes, expected {length}",
-                                step=-1, rank=-1, where=where)
-    return out

@@ -295,11 +295,12 @@ class ShardReader(StorageReader):
     """
 
     def __init__(self, manifest: Manifest, paths: Mapping[int, str | os.PathLike[str]],
-                 *, sparse: Collection[int] = ()) -> None:
+                 *, sparse: Collection[int] = (), maps: dict[str, mmap.mmap] | None = None) -> None:
         super().__init__()
         self.manifest = manifest
         self.paths = {r: Path(p) for r, p in paths.items()}
         self.sparse = frozenset(sparse)
+        self._given = maps if maps is not None else {}  # path -> a mapping made by the verify
         self._items: dict[tuple[int, str, tuple[int, ...] | None], ItemRecord] = {
             (s.rank, i.fqn, i.offset): i for s in manifest.shards for i in s.items
         }
@@ -334,11 +335,13 @@ class ShardReader(StorageReader):
                 raise FileNotFoundError(
                     f"shard of rank {rank} for step {self.manifest.step} is not available locally"
                 )
-            with open(path, "rb") as f:
-                # Read-only, shared, populated at once: the pages are the node store's own (tmpfs),
-                # mapped without the page faults of a private copy-on-write mapping.
-                populate = 0 if rank in self.sparse else getattr(mmap, "MAP_POPULATE", 0)
-                m = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ)
+            m = self._given.pop(str(path), None)  # the verify's mapping of these bytes
+            if m is None:
+                with open(path, "rb") as f:
+                    # Read-only, shared, populated at once: the pages are the node store's own
+                    # (tmpfs), mapped without the page faults of a private copy-on-write mapping.
+                    populate = 0 if rank in self.sparse else getattr(mmap, "MAP_POPULATE", 0)
+                    m = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ)
             self._maps[rank] = m
             kept = hostmem.lookup(str(path))
             if kept is not None and kept.pinned:  # this process registered it: copies run at DMA speed
@@ -406,10 +409,11 @@ class ShardReader(StorageReader):
         self.bytes_by_rank[rank] = self.bytes_by_rank.get(rank, 0) + n
 
     def close(self) -> None:
-        for m in self._maps.values():
+        for m in [*self._maps.values(), *self._given.values()]:
             with contextlib.suppress(BufferError):
                 m.close()
         self._maps.clear()
+        self._given.clear()
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from aegis import _fault
 from aegis._dist import Group
 from aegis.errors import AegisError, CorruptShardError, ManifestError
-from aegis.snapshot.codec import Codec, decode
+from aegis.snapshot.codec import Codec, decode_into
 from aegis.snapshot.manifest import ChunkRecord, Commit, Manifest
 from aegis.snapshot.node_manifest import assemble
 from aegis.snapshot.node_store import NodeStore
@@ -58,6 +58,7 @@ __all__ = [
     "Uploader",
     "UploadResult",
     "fetch_chunk",
+    "fetch_chunk_into",
     "fetch_chunks",
 ]
 
@@ -563,9 +564,19 @@ class Uploader:
 def fetch_chunk(store: ObjectStore, job: str, manifest: Manifest, shard: int, i: int
                 ) -> tuple[bytes, int]:
     """One chunk of ``shard``, downloaded, verified and decoded: (its raw bytes, the stored
-    bytes downloaded). Stored size and crc32c are checked before decoding (a decode bounded to
-    the chunk's length), the raw crc32c after; CorruptShardError names the object key. Restore
-    (:func:`fetch_chunks`) and the reading layer (``aegis.read.durable``) both read through it."""
+    bytes downloaded). The reading layer (``aegis.read.durable``) reads through it; a restore
+    decodes in place (:func:`fetch_chunk_into`): both check the same things."""
+    out = bytearray(manifest.shard(shard).chunks[i].length)
+    stored = fetch_chunk_into(store, job, manifest, shard, i, memoryview(out))
+    return bytes(out), stored
+
+
+def fetch_chunk_into(store: ObjectStore, job: str, manifest: Manifest, shard: int, i: int,
+                     out: memoryview) -> int:
+    """Download chunk ``i`` of ``shard``, verify it and decode it into ``out`` (exactly the
+    chunk's length); returns the stored bytes downloaded. Stored size and crc32c are checked
+    before decoding (a decode bounded to the chunk's length), the raw crc32c after, over ``out``;
+    CorruptShardError names the object key (``out`` then holds no trusted bytes)."""
     c = manifest.shard(shard).chunks[i]
     step = manifest.step
     key = chunk_key(job, step, shard, i)
@@ -580,18 +591,20 @@ def fetch_chunk(store: ObjectStore, job: str, manifest: Manifest, shard: int, i:
             f"truncated or corrupt ({len(blob)} bytes, manifest says {c.stored_length})",
             step=step, rank=shard, chunk=i, where=where)
     stored = len(blob)
+    if len(out) != c.length:
+        raise AegisError(f"internal: a {len(out)}-byte destination for the {c.length}-byte chunk {where}")
     try:
-        raw = decode(blob, c.codec, c.length, where=where)
+        decode_into(blob, c.codec, out, where=where)
     except MemoryError as e:  # a zstd frame header may declare any size; decoding allocates it
         raise CorruptShardError(
             f"{where}: cannot decode (a compressed frame declares more bytes than the chunk's "
             f"{c.length}); the object is damaged or forged", step=step, rank=shard, chunk=i,
             where=where) from e
     del blob
-    if crc32c(raw) != c.crc32c:
+    if crc32c(out) != c.crc32c:
         raise CorruptShardError(f"crc32c mismatch in step {step}, rank {shard}, chunk {i} after "
                                 f"decoding {where}", step=step, rank=shard, chunk=i, where=where)
-    return raw, stored
+    return stored
 
 
 def fetch_chunks(store: ObjectStore, job: str, manifest: Manifest, shard: int, ids: Iterable[int],
@@ -602,9 +615,7 @@ def fetch_chunks(store: ObjectStore, job: str, manifest: Manifest, shard: int, i
 
     def one(i: int) -> int:
         c = rec.chunks[i]
-        raw, stored = fetch_chunk(store, job, manifest, shard, i)
-        out[c.offset:c.offset + c.length] = raw
-        return stored
+        return fetch_chunk_into(store, job, manifest, shard, i, out[c.offset:c.offset + c.length])
 
     with ThreadPoolExecutor(max_workers=threads) as pool:
         return sum(pool.map(one, sorted(ids)))

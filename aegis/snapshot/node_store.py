@@ -361,10 +361,13 @@ class NodeStore:
             )
         return index, size, crc
 
-    def verify_shard(self, step: int, record: ShardRecord, chunks: set[int] | None = None) -> None:
+    def verify_shard(self, step: int, record: ShardRecord, chunks: set[int] | None = None, *,
+                     keep: dict[str, mmap.mmap] | None = None) -> None:
         """Check a local shard file against its manifest record: size, every chunk's crc32c (or
         those in ``chunks``), and the index crc32c. Raises CorruptShardError naming step, rank
-        and chunk."""
+        and chunk. With ``keep``, the file's read-only shared mapping is not closed but left
+        there under its path, for a load that reads the verified bytes next (one mapping, its
+        pages populated at once when every chunk is checked)."""
         path = self.shard_path(step, record.rank)
         where = f"node store {self.dir}"
         try:
@@ -381,7 +384,10 @@ class NodeStore:
             if size < FOOTER_SIZE:
                 raise CorruptShardError(f"shard of rank {record.rank} at step {step} is truncated",
                                         step=step, rank=record.rank, where=where)
-            m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            whole = chunks is None or len(chunks) >= len(record.chunks)
+            populate = getattr(mmap, "MAP_POPULATE", 0) if whole else 0
+            m = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ)
+            kept = False
             try:
                 verify_chunks(m, record.chunks, step=step, rank=record.rank, where=where, only=chunks)
                 footer = m[size - FOOTER_SIZE:]
@@ -398,8 +404,12 @@ class NodeStore:
                 except ManifestError as e:
                     raise CorruptShardError(f"shard of rank {record.rank} at step {step}: {e}",
                                             step=step, rank=record.rank, where=where) from e
+                if keep is not None:
+                    keep[str(path)] = m
+                    kept = True
             finally:
-                m.close()
+                if not kept:
+                    m.close()
             check_index_matches(index, record, step=step, where=where)
 
     def verify_parity(self, step: int, rank: int, size: int, crc: int, scheme: str = "xor") -> None:

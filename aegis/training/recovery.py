@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import mmap
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -285,12 +286,14 @@ def _restore_newest(
                 need_by_node[n].setdefault(s, set()).update(chunk_ids)
                 spans_by_node[n][s] = _merge(spans_by_node[n].get(s, []) + spans)
         t = lap("plan_s", t)
+        maps: dict[str, mmap.mmap] = {}  # local shards as verified, mapped, for the load
         outcome = _gather_shards(store, group, transport, manifest, node, invs, need_by_node, ranks_of,
                                  durable if durable_manifest is not None else None,
-                                 spans_by_node=spans_by_node)
+                                 spans_by_node=spans_by_node, maps=maps)
         t = lap("fetch_verify_s", t)
         skipped.extend(outcome.rejected)
         if outcome.failures:
+            _close_maps(maps)
             skipped.extend(outcome.failures)
             bad.add(step)
             continue
@@ -304,7 +307,7 @@ def _restore_newest(
     # shards this rank reads little of (replicated items another rank saved): mapped lazily
     sparse = {s for s, (_, spans) in box["needs"].items()
               if 2 * sum(b - a for a, b in spans) < manifest.shard(s).size}
-    reader = ShardReader(manifest, paths, sparse=sparse)
+    reader = ShardReader(manifest, paths, sparse=sparse, maps=maps)
 
     def load(local: _LocalLoad = box["load"]) -> None:
         try:
@@ -347,6 +350,13 @@ def _restore_newest(
             **({"fetch_bytes": origin[1], "fetch_s": round(origin[2], 6)} if origin else {}),
         })
     return RestoreResult(step, manifest, sources, timings, reader.bytes_read, outcome.fetched_bytes, skipped)
+
+
+def _close_maps(maps: dict[str, mmap.mmap]) -> None:
+    for m in maps.values():
+        with contextlib.suppress(BufferError):
+            m.close()
+    maps.clear()
 
 
 @dataclass
@@ -441,8 +451,11 @@ def _gather_shards(
     durable: ObjectStore | None = None,
     *,
     spans_by_node: dict[str, dict[int, list[tuple[int, int]]]] | None = None,
+    maps: dict[str, mmap.mmap] | None = None,
 ) -> _Outcome:
-    """Make every node hold verified copies of the shards it needs (collective)."""
+    """Make every node hold verified copies of the shards it needs (collective). ``maps``
+    receives the mappings of the local shards this rank verified (path -> mapping), which the
+    load then reads instead of mapping them again."""
     step = manifest.step
     out = _Outcome()
 
@@ -466,7 +479,7 @@ def _gather_shards(
         for s in sorted(shards):
             if n in holders(s) and worker(n, s) == group.rank:
                 try:
-                    store.verify_shard(step, manifest.shard(s), shards[s])
+                    store.verify_shard(step, manifest.shard(s), shards[s], keep=maps)
                     mine.append((n, s, None))
                 except Exception as e:  # noqa: BLE001 - reported to every rank, never raised alone
                     mine.append((n, s, str(e)))
