@@ -84,6 +84,51 @@ def test_full_node_store_skips_the_snapshot_and_training_goes_on(small_tmpfs: Pa
     assert [s.step for s in steps if s.committed][0] == 7
 
 
+def _full_at_the_tail(rank: int, world: int, store: str, replicas: int) -> dict[str, Any]:
+    """The shard's own tail write (bytes region + index, past the pre-faulted tensor region)
+    runs out of room at step 2 on rank 0 only."""
+    import errno
+
+    import torch.distributed as dist
+
+    import aegis.snapshot.engine as engine
+
+    real = engine.complete
+
+    def complete(staged: Any, **kw: Any) -> Any:
+        if staged.step == 2 and rank == 0:
+            raise OSError(errno.ENOSPC, "No space left on device (injected at the shard's tail)")
+        return real(staged, **kw)
+
+    engine.complete = complete  # type: ignore[assignment]
+    model, opt, sched = build(world, seed=0)
+    mgr = Manager(JOB, {"model": ModelOptimizerState(model, opt), "sched": sched},
+                  store_dir=store, keep=1, replicas=replicas, verbose=False)
+    out = {}
+    try:
+        for step in (1, 2, 3):
+            train_step(model, opt, sched, step, rank)
+            dist.barrier()
+            mgr.save(step)
+            r = mgr.wait()
+            assert r is not None
+            out[step] = (r.committed, r.skipped)
+    finally:
+        mgr.close()
+    return out
+
+
+def test_a_full_store_at_the_shards_tail_skips_the_snapshot(tmp_path: Path) -> None:
+    """A rank whose own copy ran out of room, with no replica traffic at all (both ranks on one
+    node, replicas=0: no exchange reports on it), makes the step skipped on every rank, not a
+    failed snapshot; the steps before and after commit. (Before the redundancy schemes were
+    split out of the engine, this aborted the snapshot with a CollectiveError.)"""
+    out = run_ranks(2, _full_at_the_tail, str(tmp_path / "store"), 0)
+    for res in out:
+        assert res[1] == (True, False) and res[3] == (True, False), res
+        assert res[2] == (False, True), res  # skipped, on both ranks
+
+
 # -- an object store that hangs: close() is bounded -----------------------------------------------
 
 

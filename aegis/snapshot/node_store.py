@@ -588,6 +588,14 @@ class Slot:
         os.pwrite(self.fd, tail, tail_offset)
         return size
 
+    def detach_map(self) -> mmap.mmap:
+        """Hand the current mapping to the caller (who closes it) and forget it: e.g. a shard
+        just received and verified, read next by a load through the same pages."""
+        assert self._map is not None
+        m = self._map
+        self._map, self._view, self._views, self.capacity = None, None, None, 0
+        return m
+
     def close_map(self, *, keep: bool | None = None) -> None:
         """Unmap (and unregister), or with ``keep`` (default: the Slot's) hand the mapping to
         the process for a later Slot on the same file."""

@@ -83,12 +83,15 @@ def _run_transfers(
     manifest: Manifest,
     transfers: list[tuple[int, str, str, Any]],
     worker: Callable[[str, int], int],
+    *,
+    maps: dict[str, mmap.mmap] | None = None,
 ) -> list[tuple[int, str, str, str | None, int, float, bool]]:
     """One round of copies between nodes: a whole shard (ids None), the chunks a node needs
     (a set of chunk ids: their byte runs, the index and footer), or only the byte ranges it
     reads ((ids, spans): the sender checks those chunks against the manifest first and sends
     the spans with a crc32c of each, which the receiver checks). Receivers verify what arrives
-    before it is used."""
+    before it is used. A whole shard received and verified keeps its mapping in ``maps`` (under
+    its final path) for the load."""
     step = manifest.step
     sends: list[Send] = []
     recvs: list[Recv] = []
@@ -147,9 +150,14 @@ def _run_transfers(
                     size = os.fstat(f.fileno()).st_size
                     if size != rec.size:
                         raise ValueError(f"{size} bytes, the manifest says {rec.size}")
-                    m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                    # shared and read-only, populated at once (a private copy-on-write mapping
+                    # faulted each page in as the transport read it)
+                    populate = getattr(mmap, "MAP_POPULATE", 0) if ids is None else 0
+                    m = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ)
                 opened.append(m)
-                whole = torch.frombuffer(m, dtype=torch.uint8)
+                with warnings.catch_warnings():  # read-only mapping: the transport only reads it
+                    warnings.simplefilter("ignore", UserWarning)
+                    whole = torch.frombuffer(m, dtype=torch.uint8)
             except (OSError, ValueError):
                 # The receiver has posted its receives: send as many bytes, which its checks
                 # then reject, so it moves on to the next source instead of waiting out a timeout.
@@ -195,6 +203,8 @@ def _run_transfers(
                     _check_partial(mem, rec, step, ids, where)
         except CorruptShardError as e:
             err = str(e)
+        if err is None and ids is None and maps is not None:
+            maps[str(store.shard_path(step, s))] = slot.detach_map()  # the load reads it next
         slot.close()
         nbytes = sum(b - a for a, b in ([(0, rec.size)] if ids is None
                                         else _runs(list(rec.chunks), ids, size=rec.size)))
