@@ -271,17 +271,17 @@ def _fetch_durable(store: NodeStore, durable: ObjectStore | None, manifest: Mani
     rec = manifest.shard(s)
     wanted = set(range(len(rec.chunks))) if ids is None else ids
     store.step_dir(manifest.step).mkdir(mode=0o700, parents=True, exist_ok=True)
-    slot = Slot(store.partial_path(manifest.step, s))
-    slot.ensure(rec.size, prefault=False)
+    path = store.partial_path(manifest.step, s)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     err, nbytes = None, 0
     try:
-        with slot.memory as mem:
-            nbytes = fetch_chunks(durable, store.job, manifest, s, wanted, mem)
+        os.ftruncate(fd, rec.size)  # sparse: only the chunks fetched take memory
+        nbytes = fetch_chunks(durable, store.job, manifest, s, wanted, fd)
     except Exception as e:  # noqa: BLE001 - an unreachable store too: reported, never raised alone
         err = str(e) if isinstance(e, CorruptShardError) else f"{type(e).__name__}: {e}"
     finally:
-        slot.close()
+        os.close(fd)
     if err is not None:
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(slot.path)
+            os.unlink(path)
     return (s, DURABLE, dst, err, nbytes, time.perf_counter() - t0, True)
