@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import mmap
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -257,7 +256,6 @@ def _restore_newest(
                 manifest, split_parts = got
         _fault.hit("restore", step, group.rank)
         t = lap("decide_s", t)
-        early = _EarlyVerify.start(store, manifest, node, invs, ranks_of, group)
         # 3. what every node needs, from each rank's local DCP load plan
         box: dict[str, Any] = {}
 
@@ -291,7 +289,7 @@ def _restore_newest(
         maps: dict[str, mmap.mmap] = {}  # local shards as verified, mapped, for the load
         outcome = _gather_shards(store, group, transport, manifest, node, invs, need_by_node, ranks_of,
                                  durable if durable_manifest is not None else None,
-                                 spans_by_node=spans_by_node, maps=maps, early=early)
+                                 spans_by_node=spans_by_node, maps=maps)
         t = lap("fetch_verify_s", t)
         skipped.extend(outcome.rejected)
         if outcome.failures:
@@ -352,56 +350,6 @@ def _restore_newest(
             **({"fetch_bytes": origin[1], "fetch_s": round(origin[2], 6)} if origin else {}),
         })
     return RestoreResult(step, manifest, sources, timings, reader.bytes_read, outcome.fetched_bytes, skipped)
-
-
-class _EarlyVerify:
-    """The check of this rank's own shard, started as soon as the step is chosen, on a thread
-    beside the phases that do not need it (the state dict, the key check, DCP's load plan: 0.1 s
-    here), when the world size is unchanged: rank r then reads its own shard r whole, and is the
-    rank of its node that verifies it. Only a pass is used (:meth:`passed`, every chunk
-    checked, a superset of what the load reads); a failure is not trusted here: the shard is
-    verified again the ordinary way, against the chunks the node needs."""
-
-    def __init__(self, shard: int, thread: threading.Thread, box: dict[str, Any]) -> None:
-        self.shard, self.thread, self.box = shard, thread, box
-
-    @classmethod
-    def start(cls, store: NodeStore, manifest: Manifest, node: str,
-              invs: dict[str, dict[int, _StepInv]], ranks_of: dict[str, list[int]], group: Group
-              ) -> _EarlyVerify | None:
-        s, step = group.rank, manifest.step
-        mine = invs.get(node, {}).get(step)
-        local = ranks_of.get(node, [])
-        if (manifest.world_size != group.world or mine is None or s not in mine.shards
-                or not local or local[s % len(local)] != s):
-            return None
-        box: dict[str, Any] = {"maps": {}}
-
-        def run() -> None:
-            try:
-                store.verify_shard(step, manifest.shard(s), None, keep=box["maps"])
-                box["ok"] = True
-            except Exception:  # noqa: BLE001 - checked again the ordinary way
-                box["ok"] = False
-
-        thread = threading.Thread(target=run, name="aegis-early-verify", daemon=True)
-        thread.start()
-        return cls(s, thread, box)
-
-    def passed(self, shard: int, maps: dict[str, mmap.mmap] | None) -> bool:
-        """Whether ``shard`` is this check's and passed; its mapping then joins ``maps``."""
-        if shard != self.shard:
-            return False
-        self.thread.join()
-        if not self.box.get("ok"):
-            _close_maps(self.box["maps"])
-            return False
-        if maps is not None:
-            maps.update(self.box["maps"])
-        else:
-            _close_maps(self.box["maps"])
-        self.box["maps"] = {}
-        return True
 
 
 def _close_maps(maps: dict[str, mmap.mmap]) -> None:
@@ -504,7 +452,6 @@ def _gather_shards(
     *,
     spans_by_node: dict[str, dict[int, list[tuple[int, int]]]] | None = None,
     maps: dict[str, mmap.mmap] | None = None,
-    early: _EarlyVerify | None = None,
 ) -> _Outcome:
     """Make every node hold verified copies of the shards it needs (collective). ``maps``
     receives the mappings of the local shards this rank verified (path -> mapping), which the
@@ -531,9 +478,6 @@ def _gather_shards(
     for n, shards in need_by_node.items():
         for s in sorted(shards):
             if n in holders(s) and worker(n, s) == group.rank:
-                if early is not None and early.passed(s, maps):  # every chunk checked already
-                    mine.append((n, s, None))
-                    continue
                 try:
                     store.verify_shard(step, manifest.shard(s), shards[s], keep=maps)
                     mine.append((n, s, None))
