@@ -404,13 +404,13 @@ class NodeStore:
                 except ManifestError as e:
                     raise CorruptShardError(f"shard of rank {record.rank} at step {step}: {e}",
                                             step=step, rank=record.rank, where=where) from e
-                if keep is not None:
+                check_index_matches(index, record, step=step, where=where)
+                if keep is not None:  # only a copy that passed every check
                     keep[str(path)] = m
                     kept = True
             finally:
                 if not kept:
                     m.close()
-            check_index_matches(index, record, step=step, where=where)
 
     def verify_parity(self, step: int, rank: int, size: int, crc: int, scheme: str = "xor") -> None:
         """Check the parity file of ``rank`` against its size and crc32c (manifest)."""
