@@ -130,13 +130,8 @@ def _no_gc_pauses() -> Iterator[None]:
             gc.enable()
 
 
-def restore_newest(*args: Any, **kwargs: Any) -> RestoreResult | None:
-    """:func:`_restore_newest` (see there) without garbage-collection pauses."""
-    with _no_gc_pauses():
-        return _restore_newest(*args, **kwargs)
-
-
-def _restore_newest(
+@_no_gc_pauses()
+def restore_newest(
     store: NodeStore,
     group: Group,
     transport: Transport | None,
