@@ -11,6 +11,7 @@ restore             3. restore time by source: own / peer memory, durable S3 / d
 recovery            4. node loss end to end on the simulated cluster: aegis-memory,
                     aegis-durable, DCP-to-S3 (timeline of phases, steps lost)
 codec               5. durable codec per dtype: raw / zstd / byte planes
+dp_replicas         6. HSDP replicas pushed whole vs built from the data-parallel copies
 ==================  =========================================================================
 
 Writes ``bench/results/<case>.json`` (each with the exact command, the machine and the load
@@ -49,6 +50,7 @@ CASES = {  # name -> (title, plot file)
     "restore": ("3. Restore time by source", "restore.png"),
     "recovery": ("4. Node loss end to end", "recovery_timeline.png"),
     "codec": ("5. Durable-tier codec", "codec.png"),
+    "dp_replicas": ("6. Replicas from data-parallel copies (HSDP)", None),
 }
 BEGIN, END = "<!-- bench:summary:begin -->", "<!-- bench:summary:end -->"
 BUDGET_S = 600.0
@@ -118,9 +120,10 @@ def render(index: dict[str, Any], prefix: str) -> str:
                          "from its last successful run.**\n")
         mod = importlib.import_module(name)
         lines.append(mod.summary_md(doc))
+        plot = f"plot: [{png}]({prefix}{png}), " if png else ""
         lines += ["", f"`{doc['command']}` ({doc['created']}, {doc['wall_s']:.0f} s, load "
                   f"{doc['loadavg_1m']['start']:.2f} -> {doc['loadavg_1m']['end']:.2f}); "
-                  f"plot: [{png}]({prefix}{png}), data: [{name}.json]({prefix}{name}.json)"]
+                  f"{plot}data: [{name}.json]({prefix}{name}.json)"]
         if doc.get("errors"):
             lines.append(f"\nErrors: {json.dumps(doc['errors'])[:400]}")
         if name == "recovery":
@@ -138,7 +141,7 @@ def render(index: dict[str, Any], prefix: str) -> str:
 def plot_all() -> None:
     for name, (_, png) in CASES.items():
         doc = _load(name)
-        if doc is not None:
+        if doc is not None and png:
             importlib.import_module(name).plot(doc, RESULTS / png)
 
 

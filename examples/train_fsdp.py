@@ -16,9 +16,11 @@ path, e.g. with ``importlib.util.spec_from_file_location``; importing has no sid
 
 import argparse
 import dataclasses
+import faulthandler
 import json
 import math
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -583,8 +585,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--every", type=int, default=1, help="aegis snapshot every N steps")
     p.add_argument("--keep", type=int, default=1, help="aegis in-memory snapshots to keep")
     p.add_argument("--replicas", type=int, default=1, help="aegis replicas on other nodes")
-    p.add_argument("--redundancy", choices=("replica", "xor", "rs"), default="replica",
-                   help="aegis memory redundancy: whole replicas, XOR or Reed-Solomon parity groups")
+    p.add_argument("--redundancy", choices=("replica", "dp", "xor", "rs"), default="replica",
+                   help="aegis memory redundancy: whole replicas (dp: each built on its holder from "
+                        "the data-parallel copy it holds, e.g. with --mesh hsdp), XOR or "
+                        "Reed-Solomon parity groups")
     p.add_argument("--group-size", type=int, default=5, help="nodes per parity group")
     p.add_argument("--parity", type=int, default=2, help="RS: lost nodes per group it rebuilds")
     p.add_argument("--durable", default=None, help="aegis durable tier URL (file:// or s3://)")
@@ -645,6 +649,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # `kill -USR1 <pid>` prints every thread's Python stack to stderr: what a hung worker waits on
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
     if args.device == "cuda":

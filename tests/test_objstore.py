@@ -51,6 +51,47 @@ def test_large_object_round_trip(store: ObjectStore) -> None:
     assert store.get_range("big/object", (5 << 20) - 3, (5 << 20) + 3) == data[(5 << 20) - 3:(5 << 20) + 3]
 
 
+def test_unsynced_puts_are_whole_objects_and_sync_makes_them_durable(store: ObjectStore) -> None:
+    """A shard's chunks go up with put_unsynced and one sync before the manifest: readers see
+    whole objects at once, and sync() leaves nothing pending (S3: every put is durable)."""
+    keys = [f"job/step-00000003/rank-00000/chunk-{i:04d}.zst" for i in range(3)]
+    for i, k in enumerate(keys):
+        store.put_unsynced(k, bytes([i]) * (1000 + i))
+    assert [o.key for o in store.list("job/step-00000003/")] == keys
+    assert store.get(keys[2]) == b"\x02" * 1002
+    store.sync()
+    store.sync()  # nothing pending: a no-op
+    assert getattr(store, "_unsynced", set()) == set()
+
+
+def test_a_directory_store_syncs_a_batch_once_or_fsyncs_each_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With syncfs (Linux): one call for the batch. Without it: an fsync of every file written
+    since the last sync and of each of their directories, none before."""
+    import aegis.snapshot.objstore as objstore
+
+    store = open_store(f"file://{tmp_path}/durable")
+    calls: list[int] = []
+    real = objstore._syncfs()
+    assert real is not None, "this test expects Linux's syncfs"
+    monkeypatch.setattr(objstore, "_syncfs", lambda: lambda fd: calls.append(fd) or real(fd))
+    store.put_unsynced("j/a/x", b"1")
+    store.put_unsynced("j/b/y", b"2")
+    store.sync()
+    assert len(calls) == 1
+    synced: list[str] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(objstore, "_syncfs", lambda: None)
+    monkeypatch.setattr(objstore.os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+                        or real_fsync(fd))
+    store.put_unsynced("j/a/z", b"3")
+    store.put_unsynced("j/b/w", b"4")
+    assert synced == []  # nothing flushed per put
+    store.sync()
+    root = tmp_path / "durable"
+    assert sorted(synced) == sorted(str(p) for p in (root / "j/a/z", root / "j/b/w", root / "j/a", root / "j/b"))
+
+
 def test_hostile_keys_are_rejected(store: ObjectStore) -> None:
     for key in ("../escape", "/abs", "a/../b", "a//b", ""):
         with pytest.raises(AegisError, match="invalid object key"):

@@ -60,6 +60,7 @@ from aegis.snapshot.shard import (
     encode_tail,
     finish_layout,
     plan_layout,
+    zero_gaps,
 )
 from aegis.snapshot.staging import CopyBarrier, Stager
 
@@ -112,6 +113,9 @@ def stage(step: int, rank: int, layout: ShardLayout, slot: Slot,
     t0 = time.perf_counter()
     stager = stager or Stager("sync")
     views = slot.item_views(layout)
+    if slot.clean is not layout:  # padding zeroed once per slot and layout (ShardLayout.gaps)
+        zero_gaps(slot.view, layout)
+        slot.clean = layout
     pairs = []
     for t, dst in zip(layout.tensors, views, strict=True):
         src = resolve(t.item)

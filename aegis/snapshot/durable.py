@@ -532,7 +532,7 @@ class Uploader:
                                             "the node store before upload", step=step, rank=rank, chunk=i)
                 blob, desc = self.codec.encode(raw, c.dtype)
                 enc = time.perf_counter() - t
-                self.store.put(chunk_key(self.job, step, rank, i), blob)
+                self.store.put_unsynced(chunk_key(self.job, step, rank, i), blob)
                 with self._lock:
                     result.encode_s += enc
                     result.raw_bytes += c.length
@@ -543,7 +543,10 @@ class Uploader:
 
             # bounded memory: at most max_inflight chunks encoded and in flight at once
             with ThreadPoolExecutor(max_workers=self.max_inflight) as pool:
-                return list(pool.map(one, range(len(chunks))))
+                done = list(pool.map(one, range(len(chunks))))
+            # durable before this rank reports them: rank 0 commits the step's manifest only then
+            self.store.sync()
+            return done
         finally:
             m.close()
 

@@ -38,6 +38,7 @@ from aegis.errors import AegisError, CollectiveError, StepOrderError, StoreFullE
 from aegis.snapshot import hostmem
 from aegis.snapshot.dcp_io import DEFAULT_CHUNK_BYTES, StagedShard, complete, stage
 from aegis.snapshot.engine_plan import (
+    CachedPlan,
     _DaemonWorker,
     _fast_resolvable,
     _Flattener,
@@ -95,6 +96,8 @@ class SnapshotResult:
     snapshot_bytes: int = 0  # all ranks together (known on every rank after commit)
     replicate_s: float = 0.0
     replica_bytes: int = 0  # replicas this rank received and holds
+    replica_sent_bytes: int = 0  # bytes this rank sent for replicas (redundancy="dp": its unshared part)
+    replica_copy_s: float = 0.0  # redundancy="dp": copying sources' tensors from this rank's own (blocking)
     encode_s: float = 0.0  # XOR parity: segments exchanged and folded into this rank's parity
     encode_compute_s: float = 0.0  # the part of encode_s spent in crc32c and XOR on this rank
     parity_bytes: int = 0  # XOR parity this rank holds
@@ -308,6 +311,9 @@ class SnapshotEngine:
             result.copy_s = staged.copy_s
         except Exception as e:  # noqa: BLE001 - every rank must still take part in the commit
             error = e
+        tl = time.perf_counter()
+        self.redundancy.stage_local(step, resolve)  # never raises: protect() reports its failures
+        result.replica_copy_s = time.perf_counter() - tl
         self._barrier = staged.barrier if staged is not None else None
         if self._barrier is not None:  # async: the deferred copies run first on the worker
             self._executor.submit(self._run_deferred, self._barrier, step)
@@ -378,7 +384,7 @@ class SnapshotEngine:
         if self._executor.alive:
             return  # still blocked (a stopped peer): its slots stay mapped until it ends
         with self._lock:
-            slots = self.slots.spares()
+            slots = self.slots.spares() + self.redundancy.staged_slots()
             if self._inflight is not None and self._inflight[1] is not None:
                 slots.append(self._inflight[1])
             for _, own, replica_slots in self._committed:
@@ -394,16 +400,16 @@ class SnapshotEngine:
     # -- planning ------------------------------------------------------------------------------
 
     def _plan_key(self, fingerprint: tuple[Any, ...]) -> tuple[Any, ...]:
-        return (self.store.job, self.world, self.rank, self.chunk_bytes, _fp_digest(fingerprint))
+        return (self.store.job, self.world, self.rank, self.chunk_bytes, _fp_digest(fingerprint),
+                self.redundancy.plan_key())
 
-    def _cached_plan(self, fingerprint: tuple[Any, ...]
-                     ) -> tuple[tuple[Any, ...], tuple[int, ShardLayout, dict[str, Any], dict[str, Any]]] | None:
+    def _cached_plan(self, fingerprint: tuple[Any, ...]) -> tuple[tuple[Any, ...], CachedPlan] | None:
         key = self._plan_key(fingerprint)
         hit = _plans.get(key)
         return (key, hit) if hit is not None else None
 
     def _make_plan(self, planner: DefaultSavePlanner, fingerprint: tuple[Any, ...],
-                   cached: tuple[int, ShardLayout, dict[str, Any], dict[str, Any]] | None = None) -> _Plan:
+                   cached: CachedPlan | None = None) -> _Plan:
         """DCP planning, collective: local plans -> rank 0 -> global plan -> every rank.
 
         ``cached``: a plan this process made in an earlier round, that every rank agreed to
@@ -416,7 +422,7 @@ class SnapshotEngine:
         plan took 31-413 ms (median 57), a reused one 4-22 ms (median 11)."""
         key = self._plan_key(fingerprint)
         if cached is not None:
-            _, layout, entries, planner_data = cached
+            _, layout, entries, planner_data, extra = cached
             _remember_plan(key, cached)  # most recently used last
         else:
             local = planner.create_local_plan()
@@ -429,7 +435,9 @@ class SnapshotEngine:
                 try:
                     global_plans, metadata = planner.create_global_plan([p for p, _ in plans])
                     everyone = int.from_bytes(hashlib.sha256(b"".join(d for _, d in plans)).digest()[:7], "big")
-                    outcome = [(True, (p, everyone)) for p in global_plans]
+                    extras = self.redundancy.plan_extras([p for p, _ in plans], global_plans,
+                                                         self.chunk_bytes) or [None] * self.world
+                    outcome = [(True, (p, everyone, x)) for p, x in zip(global_plans, extras, strict=True)]
                     entries = Manifest.entries_from_dcp(metadata)
                     planner_data = {k: tuple(v) for k, v in (metadata.planner_data or {}).items()}
                 except Exception as e:  # noqa: BLE001 - sent to every rank
@@ -437,10 +445,11 @@ class SnapshotEngine:
             ok, central = self.group.scatter(outcome, "plan scatter")
             if not ok:
                 raise AegisError(f"DCP could not plan the snapshot: {central}")
-            central_plan, everyone = central
+            central_plan, everyone, extra = central
             final = planner.finish_plan(central_plan)
             layout = plan_layout(final.items, chunk_bytes=self.chunk_bytes)
-            _remember_plan(key, (everyone, layout, entries, planner_data))
+            _remember_plan(key, (everyone, layout, entries, planner_data, extra))
+        self.redundancy.adopt(extra, layout)  # the scheme's part of the plan (redundancy="dp")
         self._check_capacity(layout)
         plan = _Plan(fingerprint, layout, entries, planner_data)
         # keep + 1 pre-faulted slots, so no later save pays for first-touch page faults: the one

@@ -47,12 +47,14 @@ def _fingerprint(flat: dict[str, Any]) -> tuple[Any, ...]:
 # that saves again at a world size, as a rank, with a state it planned before reuses that plan
 # when every rank does (see Engine._cached_plan). Key: (job, world size, rank, chunk size, the
 # state's fingerprint digest); value: (the digest of every rank's fingerprint digest at that
-# plan, the shard layout, rank 0's entries and planner data). One per plan held: O(tensors) on
-# every rank, O(world x tensors) on rank 0.
+# plan, the shard layout, rank 0's entries and planner data, the redundancy scheme's extras for
+# this rank: Scheme.plan_extras). One per plan held: O(tensors) on every rank, O(world x
+# tensors) on rank 0. The key ends with the scheme's plan_key (what its extras depend on).
 _PLAN_CACHE_SIZE = 4
 
+CachedPlan = tuple[int, ShardLayout, dict[str, Any], dict[str, Any], Any]
 
-_plans: dict[tuple[Any, ...], tuple[int, ShardLayout, dict[str, Any], dict[str, Any]]] = {}
+_plans: dict[tuple[Any, ...], CachedPlan] = {}
 
 
 def _fp_digest(fingerprint: tuple[Any, ...]) -> bytes:
@@ -61,7 +63,7 @@ def _fp_digest(fingerprint: tuple[Any, ...]) -> bytes:
     return hashlib.sha256(repr(fingerprint).encode()).digest()[:16]
 
 
-def _remember_plan(key: tuple[Any, ...], value: tuple[int, ShardLayout, dict[str, Any], dict[str, Any]]) -> None:
+def _remember_plan(key: tuple[Any, ...], value: CachedPlan) -> None:
     _plans.pop(key, None)
     while len(_plans) >= _PLAN_CACHE_SIZE:
         _plans.pop(next(iter(_plans)))

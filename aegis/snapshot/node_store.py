@@ -506,6 +506,8 @@ class Slot:
         self._map: mmap.mmap | None = None
         self._view: torch.Tensor | None = None
         self._views: tuple[int, Any, list[torch.Tensor]] | None = None  # see item_views
+        # the ShardLayout whose padding this slot's mapping holds as zeros (shard.zero_gaps)
+        self.clean: Any = None
 
     def ensure(self, nbytes: int, *, prefault: bool = True) -> None:
         """Map exactly ``nbytes``; with ``prefault`` the pages are allocated now, not on the
@@ -594,6 +596,7 @@ class Slot:
         assert self._map is not None
         m = self._map
         self._map, self._view, self._views, self.capacity = None, None, None, 0
+        self.clean = None
         return m
 
     def close_map(self, *, keep: bool | None = None) -> None:
@@ -601,6 +604,7 @@ class Slot:
         the process for a later Slot on the same file."""
         keep = self.keep if keep is None else keep
         self._views = None
+        self.clean = None
         if self._map is not None and self._view is not None and keep:
             ino = os.fstat(self.fd)
             hostmem.keep(hostmem.Kept(self._map, self._view, self.capacity, self.pinned,

@@ -1,7 +1,9 @@
 """Durable object stores: one small interface, chosen by URL scheme.
 
 * ``file:///path`` (the embedded default): a local directory; writes are atomic (temporary
-  file, fsync, rename) and a conditional put is an exclusive link.
+  file, fsync, rename) and a conditional put is an exclusive link. A batch of writes that
+  only needs to be durable together (a shard's chunks, before the step's manifest) is
+  flushed once: :meth:`ObjectStore.put_unsynced` then :meth:`ObjectStore.sync`.
 * ``s3://bucket/prefix``: any S3-compatible endpoint through boto3 (``AWS_ENDPOINT_URL`` and
   boto3's usual configuration and credential chain); see :mod:`aegis.snapshot.s3`, the only
   module that imports boto3.
@@ -15,8 +17,10 @@ from __future__ import annotations
 import abc
 import builtins
 import contextlib
+import ctypes
 import os
 import re
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -156,6 +160,15 @@ class ObjectStore(abc.ABC):
     def delete(self, keys: Iterable[str]) -> None:
         """Delete ``keys`` (missing keys are ignored)."""
 
+    def put_unsynced(self, key: str, data: bytes | memoryview) -> None:
+        """:meth:`put`, atomic for readers, but durable only after the next :meth:`sync` (on
+        stores where every put is durable when it returns, S3's, the same as :meth:`put`). The
+        uploader writes a shard's chunks this way and syncs before the step's manifest."""
+        self.put(key, data)
+
+    def sync(self) -> None:  # noqa: B027 - optional
+        """Make every :meth:`put_unsynced` of this store durable."""
+
     def check(self) -> None:  # noqa: B027 - optional
         """Fail now, with a clear message, when the store is unreachable or not writable."""
 
@@ -177,6 +190,17 @@ class ObjectStore(abc.ABC):
         pass
 
 
+def _syncfs() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """libc's ``syncfs(fd)`` (Linux): one flush of a whole file system; None elsewhere."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).syncfs
+    except (AttributeError, OSError):
+        return None
+    fn.argtypes = [ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
 class FileStore(ObjectStore):
     """A local directory as an object store."""
 
@@ -184,6 +208,8 @@ class FileStore(ObjectStore):
         self.root = Path(root)
         self.url = f"file://{self.root}"
         self.stats = StoreStats()
+        self._unsynced: set[Path] = set()  # put_unsynced paths not yet made durable by sync()
+        self._lock = threading.Lock()
 
     def _path(self, key: str) -> Path:
         return self.root / check_key(key)
@@ -198,13 +224,44 @@ class FileStore(ObjectStore):
             raise ConfigError(f"durable store {self.url} is not writable: {e}") from e
 
     def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> None:
+        self._put(key, data, if_absent=if_absent, synced=True)
+
+    def put_unsynced(self, key: str, data: bytes | memoryview) -> None:
+        self._put(key, data, if_absent=False, synced=False)
+
+    def sync(self) -> None:
+        """One ``syncfs`` of the directory's file system when the platform has it (Linux): one
+        journal commit for a whole shard's chunks, where a ``put`` pays two fsyncs each;
+        otherwise an fsync of each file and directory written since the last sync."""
+        with self._lock:
+            paths, self._unsynced = self._unsynced, set()
+        if not paths:
+            return
+        syncfs = _syncfs()
+        if syncfs is not None:
+            fd = os.open(self.root, os.O_RDONLY)
+            try:
+                if syncfs(fd) == 0:
+                    return
+            finally:
+                os.close(fd)
+        for p in sorted(paths) + sorted({p.parent for p in paths}):
+            with contextlib.suppress(FileNotFoundError):
+                fd = os.open(p, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+
+    def _put(self, key: str, data: bytes | memoryview, *, if_absent: bool, synced: bool) -> None:
         path = self._path(key)
         _mkdir_private(path.parent)
         tmp = path.with_name(f".{path.name}.tmp{os.getpid()}-{id(data)}")
         with open(tmp, "wb", opener=lambda p, flags: os.open(p, flags, 0o600)) as f:
             f.write(data)
             f.flush()
-            os.fsync(f.fileno())
+            if synced:
+                os.fsync(f.fileno())
         try:
             if if_absent:
                 try:
@@ -218,10 +275,14 @@ class FileStore(ObjectStore):
             if tmp is not None:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp)
-        with contextlib.suppress(OSError):
-            dfd = os.open(path.parent, os.O_RDONLY)
-            os.fsync(dfd)
-            os.close(dfd)
+        if not synced:
+            with self._lock:
+                self._unsynced.add(path)
+        else:
+            with contextlib.suppress(OSError):
+                dfd = os.open(path.parent, os.O_RDONLY)
+                os.fsync(dfd)
+                os.close(dfd)
         self.stats.requests += 1
         self.stats.bytes_up += len(data)
 

@@ -31,6 +31,7 @@ from typing import Any
 
 import crc32c as _crc32c
 import torch
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
 from aegis import _fault
 from aegis._dist import Group
@@ -49,11 +50,12 @@ from aegis.snapshot.erasure import (
 from aegis.snapshot.manifest import ParityGroup, Redundancy, ShardRecord
 from aegis.snapshot.node_store import Slot, is_store_full
 from aegis.snapshot.placement import Placement, parity_groups
-from aegis.snapshot.shard import check_blob
+from aegis.snapshot.shard import ShardLayout, check_blob, check_split, plan_layout, zero_gaps
 from aegis.snapshot.slot_pools import SlotPools
 from aegis.snapshot.transport import Recv, Send, Transport
 
-__all__ = ["Protected", "ReplicaScheme", "RsScheme", "Scheme", "XorScheme", "build", "shard_summary"]
+__all__ = ["DpReplicaScheme", "Protected", "ReplicaScheme", "RsScheme", "Scheme", "XorScheme", "build",
+           "shard_summary"]
 
 _ENCODE_SCRATCH = 256 << 20  # private memory for parity segments in flight (at least one segment)
 
@@ -103,6 +105,28 @@ class Scheme:
         """Bytes this rank's node store holds for the scheme per byte of its own shard."""
         raise NotImplementedError
 
+    # Plan-time and save-time hooks; only :class:`DpReplicaScheme` uses them.
+
+    def plan_key(self) -> tuple[Any, ...]:
+        """What of the world, besides the state, the plan extras depend on (the plan cache's key)."""
+        return ()
+
+    def plan_extras(self, local_plans: Sequence[SavePlan], final_plans: Sequence[SavePlan],
+                    chunk_bytes: int) -> list[Any] | None:
+        """Rank 0, while DCP plans (it holds every rank's local and final plan): what each rank
+        needs of the plan beyond its own, scattered with its final plan; None: nothing."""
+        return None
+
+    def adopt(self, extra: Any, layout: ShardLayout) -> None:
+        """Every rank, once per plan: its part of :meth:`plan_extras` and its own layout."""
+
+    def stage_local(self, step: int, resolve: Callable[[WriteItem], Any]) -> None:
+        """Training thread, in the blocking part of ``save(step)`` after the own copy."""
+
+    def staged_slots(self) -> list[Slot]:
+        """Slots :meth:`stage_local` filled that no :meth:`protect` took yet (an abort)."""
+        return []
+
     def protect(self, step: int, slot: Slot | None, staged: StagedShard | None,
                 result: Any) -> Protected:
         """Background, every rank, collective within the scheme's peers: protect this rank's
@@ -135,11 +159,11 @@ class ReplicaScheme(Scheme):
         sender must never wait for a receive that is not posted."""
         t0 = time.perf_counter()
         try:
-            return self._exchange(step, slot, staged)
+            return self._exchange(step, slot, staged, result)
         finally:
             result.replicate_s = time.perf_counter() - t0
 
-    def _exchange(self, step: int, slot: Slot | None, staged: StagedShard | None) -> Protected:
+    def _exchange(self, step: int, slot: Slot | None, staged: StagedShard | None, result: Any) -> Protected:
         if not self.targets and not self.sources:
             return Protected()
         assert self.transport is not None
@@ -169,6 +193,7 @@ class ReplicaScheme(Scheme):
 
         sends = [Send(t, parts) for t in self.targets]
         recvs = [Recv(s, alloc(s)) for s in self.sources]
+        result.replica_sent_bytes = sum(p.numel() for p in parts) * len(self.targets)
         _fault.hit("replicate", step, self.rank)
         try:
             self.transport.exchange(sends, recvs)
@@ -210,6 +235,181 @@ class ReplicaScheme(Scheme):
                 else:
                     held[src].append(nodes[holder])
         return held, None
+
+
+def _item_key(item: WriteItem) -> tuple[Any, ...]:
+    """What makes two ranks' tensor write items the same bytes when their states are equal:
+    the name, the chunk's offsets and sizes in the global tensor, the dtype."""
+    td = item.tensor_data
+    assert td is not None
+    return (item.index.fqn, tuple(td.chunk.offsets), tuple(td.chunk.sizes), td.properties.dtype)
+
+
+class DpReplicaScheme(ReplicaScheme):
+    """Whole replicas, as :class:`ReplicaScheme` places them, each built on its holder from the
+    holder's own copy of the same tensors where it has one (a data-parallel replica: HSDP's
+    replicate dimension, plain DP), so that only what the holder does not hold travels: the
+    source's rank-unique items (RNG, per-rank entries), its bytes region, index and footer.
+
+    Once per plan, rank 0 (which holds every rank's DCP local plan, before de-duplication, and
+    final plan) lists for each (source, holder) pair the source's tensor slots that the holder's
+    local plan has with the same name, chunk offsets, sizes and dtype (:meth:`plan_extras`); the
+    holder gets the source's final plan and that list, the source the list. At each save the
+    holder copies those tensors from its own state into the replica slot at the source's offsets,
+    in the blocking part (:meth:`stage_local`: the state moves on after ``save`` returns; so the
+    copy is synchronous in every staging mode); in the background the source sends the other
+    slots and its tail, and the holder checks the assembled replica against the source's index,
+    every chunk, as any received replica. A replica that differs (data-parallel copies that are
+    not bitwise equal) fails the commit with an error that says so.
+
+    The replica files, the manifest and the restore are exactly :class:`ReplicaScheme`'s, so are
+    the node-store bytes; the bytes sent per snapshot fall from a shard per target to the
+    source's unshared part. Costs: rank 0's extras are O(world x tensors) once per plan (as DCP's
+    global plan); per rank and save, a copy of the source's shared tensors (as much as its own
+    shard in HSDP) and O(tensors) bookkeeping: flat in the world size."""
+
+    name = "dp"
+
+    def __init__(self, placement: Placement, rank: int, node: str, *, group: Group,
+                 pools: SlotPools, transport: Transport | None) -> None:
+        super().__init__(placement, rank, node, group=group, pools=pools, transport=transport)
+        # per source: its layout, the slots this rank copies, the byte ranges it receives
+        self._src: dict[int, tuple[ShardLayout, tuple[int, ...], list[tuple[int, int]]]] = {}
+        self._send: dict[int, list[tuple[int, int]]] = {}  # per target: the byte ranges sent
+        # the step staged by stage_local: per source, its slot or why there is none
+        self._staged: tuple[int, dict[int, Slot | str]] | None = None
+
+    def plan_key(self) -> tuple[Any, ...]:
+        return ("dp", tuple(self.sources), tuple(self.targets))
+
+    def plan_extras(self, local_plans: Sequence[SavePlan], final_plans: Sequence[SavePlan],
+                    chunk_bytes: int) -> list[Any] | None:
+        held = [{_item_key(it) for it in p.items if it.type != WriteItemType.BYTE_IO}
+                for p in local_plans]
+        extras: list[dict[str, dict[int, Any]]] = [{"sources": {}, "targets": {}} for _ in final_plans]
+        for s, plan in enumerate(final_plans):
+            targets = self.placement.targets(s)
+            if not targets:
+                continue
+            layout = plan_layout(plan.items, chunk_bytes=chunk_bytes)
+            for t in targets:
+                local = tuple(i for i, ts in enumerate(layout.tensors) if _item_key(ts.item) in held[t])
+                extras[t]["sources"][s] = (plan.items, local)
+                extras[s]["targets"][t] = local
+        return extras
+
+    def adopt(self, extra: Any, layout: ShardLayout) -> None:
+        if extra is None:
+            raise AegisError("redundancy='dp': the plan came without the data-parallel replicas' "
+                             "extras (a plan cached under another scheme)")
+        every = range(len(layout.tensors))
+        self._send = {t: layout.spans(set(every) - set(local)) for t, local in extra["targets"].items()}
+        self._src = {}
+        for s, (items, local) in extra["sources"].items():
+            src = plan_layout(items, chunk_bytes=layout.chunk_bytes)
+            self._src[s] = (src, local, src.spans(set(range(len(src.tensors))) - set(local)))
+
+    def stage_local(self, step: int, resolve: Callable[[WriteItem], Any]) -> None:
+        staged: dict[int, Slot | str] = {}
+        self._staged = (step, staged)
+        for s, (layout, local, _) in self._src.items():
+            try:
+                rs = self.pools.take_replica(step, s, layout.tensor_end)
+            except Exception as e:  # noqa: BLE001 - protect() still receives (and drops) it
+                staged[s] = f"no room for the replica: {type(e).__name__}: {e}" if is_store_full(e) \
+                    else f"{type(e).__name__}: {e}"
+                continue
+            staged[s] = rs
+            try:
+                if rs.clean is not layout:
+                    zero_gaps(rs.view, layout)
+                    rs.clean = layout
+                views = rs.item_views(layout)
+                with torch.no_grad():
+                    for i in local:
+                        views[i].copy_(resolve(layout.tensors[i].item).detach())
+            except Exception as e:  # noqa: BLE001 - reported by protect(), the commit aborts
+                staged[s] = f"copying this rank's data-parallel copy of rank {s}'s tensors: " \
+                            f"{type(e).__name__}: {e}"
+                self.pools.discard(step, [rs])
+
+    def staged_slots(self) -> list[Slot]:
+        staged, self._staged = self._staged, None
+        return [v for v in (staged[1].values() if staged else ()) if isinstance(v, Slot)]
+
+    def _exchange(self, step: int, slot: Slot | None, staged: StagedShard | None, result: Any) -> Protected:
+        if not self.targets and not self.sources:
+            return Protected()
+        assert self.transport is not None
+        local: dict[int, Slot | str] = {}
+        if self._staged is not None and self._staged[0] == step:
+            local = self._staged[1]
+        self._staged = None
+        tails: dict[int, torch.Tensor] = {}
+        sends = []
+        for t in self.targets:
+            parts: list[torch.Tensor] = []
+            if staged is not None and slot is not None:
+                parts = [slot.view[a:b] for a, b in self._send.get(t, [])]
+                parts.append(torch.frombuffer(bytearray(staged.tail), dtype=torch.uint8))
+            sends.append(Send(t, parts))
+        bad: dict[int, str] = {}
+
+        def alloc(src: int) -> Callable[[list[int]], list[torch.Tensor]]:
+            layout, _, spans = self._src[src]
+
+            def fn(sizes: list[int]) -> list[torch.Tensor]:
+                rs = local.get(src)
+                want = [b - a for a, b in spans]
+                if sizes and sizes[:-1] != want:
+                    bad[src] = f"rank {src} sent parts of {sizes[:-1]} bytes, expected {want}"
+                if not isinstance(rs, Slot) or src in bad or not sizes:
+                    return [torch.empty(n, dtype=torch.uint8) for n in sizes]  # drained, dropped
+                tails[src] = torch.empty(sizes[-1], dtype=torch.uint8)
+                return [*(rs.view[a:b] for a, b in spans), tails[src]]
+            return fn
+
+        recvs = [Recv(s, alloc(s)) for s in self.sources]
+        result.replica_sent_bytes = sum(p.numel() for send in sends for p in send.parts)
+        _fault.hit("replicate", step, self.rank)
+        try:
+            self.transport.exchange(sends, recvs)
+        except BaseException:
+            self.pools.discard(step, [v for v in local.values() if isinstance(v, Slot)])
+            raise
+        received: list[tuple[int, int | None, str | None]] = []
+        kept: list[Slot] = []
+        no_room: set[int] = set()
+        for src in self.sources:
+            rs = local.get(src)
+            if not isinstance(rs, Slot):
+                why = rs if isinstance(rs, str) else "no replica slot was staged"
+                if why.startswith("no room"):
+                    no_room.add(src)
+                received.append((src, None, why))
+                continue
+            err = bad.get(src)
+            if err is None and src not in tails:
+                err = "no shard received (the owner failed)"
+            if err is None:
+                try:
+                    layout = self._src[src][0]
+                    with rs.memory as mem, mem[:layout.tensor_end] as head:
+                        tail = _mv(tails[src])
+                        _, icrc = check_split(head, tail, step=step, rank=src,
+                                              where=f"replica on node {self.node!r}")
+                    rs.write_tail([], bytes(tail), layout.tensor_end)
+                    received.append((src, icrc, None))
+                    kept.append(rs)
+                    continue
+                except CorruptShardError as e:
+                    err = (f"{e}; this replica was built from rank {self.rank}'s own copy of rank "
+                           f"{src}'s tensors (redundancy='dp'): are the data-parallel replicas "
+                           "bitwise equal? If they are not, use redundancy='replica'")
+            received.append((src, None, err))
+            self.pools.discard(step, [rs])
+        full = all(err is None or src in no_room for src, _, err in received)
+        return Protected(received, kept, full)
 
 
 class _ParityScheme(Scheme):
@@ -462,13 +662,17 @@ def build(redundancy: str, *, nodes: Sequence[str], domains: Sequence[str], rank
     a worker of a 2-rank node lost) keeps one whole replica per shard with ``parity_fallback``
     (the next world that can form groups uses parity again), and otherwise raises. The Manager
     warns about both."""
-    if redundancy not in ("replica", "xor", "rs"):
-        raise AegisError(f"redundancy={redundancy!r}: use 'replica', 'xor' or 'rs'")
+    if redundancy not in ("replica", "dp", "xor", "rs"):
+        raise AegisError(f"redundancy={redundancy!r}: use 'replica', 'dp', 'xor' or 'rs'")
     common: dict[str, Any] = {"group": group, "pools": pools, "transport": transport}
     node = nodes[rank]
     scheme: Scheme
-    if redundancy == "replica":
-        scheme = ReplicaScheme(Placement.build(nodes, domains, replicas), rank, node, **common)
+    if redundancy in ("replica", "dp"):
+        if redundancy == "dp" and replicas < 1:
+            raise AegisError("redundancy='dp' builds the replicas from data-parallel copies: it "
+                             "needs replicas >= 1")
+        kind = DpReplicaScheme if redundancy == "dp" else ReplicaScheme
+        scheme = kind(Placement.build(nodes, domains, replicas), rank, node, **common)
     else:
         placement = Placement.build(nodes, domains, 0)
         try:

@@ -18,6 +18,8 @@ copies tensors straight to their planned offsets on every save.
 from __future__ import annotations
 
 import bisect
+import dataclasses
+import functools
 import json
 import math
 import mmap
@@ -62,6 +64,8 @@ __all__ = [
     "crc32c",
     "verify_chunks",
     "check_blob",
+    "check_split",
+    "zero_gaps",
     "check_index_matches",
     "chunks_for_ranges",
 ]
@@ -135,6 +139,34 @@ class ShardLayout:
     @property
     def tensor_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
+
+    @functools.cached_property
+    def gaps(self) -> tuple[tuple[int, int], ...]:
+        """(offset, length) of the alignment padding in the tensor region: what no item writes.
+        Kept zero in every slot of this layout (:func:`zero_gaps`), so that two ranks holding
+        the same tensors make the same bytes (a replica built from a data-parallel copy)."""
+        return tuple((t.file_offset + t.nbytes, _align(t.file_offset + t.nbytes) - t.file_offset - t.nbytes)
+                     for t in self.tensors if t.nbytes % ALIGN)
+
+    def spans(self, items: Iterable[int]) -> list[tuple[int, int]]:
+        """The byte ranges [start, end) of the tensor slots ``items`` (indices into
+        ``tensors``), each with its trailing padding, adjacent ones merged."""
+        out: list[tuple[int, int]] = []
+        for i in sorted(items):
+            t = self.tensors[i]
+            a, b = t.file_offset, _align(t.file_offset + t.nbytes)
+            if out and out[-1][1] == a:
+                out[-1] = (out[-1][0], b)
+            else:
+                out.append((a, b))
+        return out
+
+
+def zero_gaps(view: torch.Tensor, layout: ShardLayout) -> None:
+    """Zero ``layout``'s padding in a slot's uint8 ``view`` (once per slot and layout: no item
+    ever writes there)."""
+    for off, n in layout.gaps:
+        view[off:off + n].zero_()
 
 
 def plan_layout(items: Sequence[WriteItem], *, chunk_bytes: int) -> ShardLayout:
@@ -376,6 +408,37 @@ def check_blob(data: memoryview | bytes, *, step: int, rank: int, where: str) ->
             f"{where}: expected the shard of rank {rank} at step {step}, got rank {index.rank} at "
             f"step {index.step}", step=step, rank=rank, where=where)
     verify_chunks(data, index.chunks, step=step, rank=rank, where=where)
+    return index, icrc
+
+
+def check_split(head: memoryview, tail: memoryview | bytes, *, step: int, rank: int, where: str
+                ) -> tuple[ShardIndex, int]:
+    """:func:`check_blob` of a shard held in two pieces: ``head``, its tensor region (mapped),
+    and ``tail``, the rest (bytes region, index, footer) in private memory, as a replica built
+    from a data-parallel copy holds it before the tail is written behind the head."""
+    te = len(head)
+    size = te + len(tail)
+    try:
+        if len(tail) < FOOTER_SIZE:
+            raise ManifestError(f"{where}: shard is truncated ({size} bytes)")
+        start, icrc = decode_footer(bytes(tail[-FOOTER_SIZE:]), size=size, where=where)
+        if start < te:
+            raise ManifestError(f"{where}: the index starts at {start}, inside the tensor region")
+        index = decode_index(bytes(tail[start - te:len(tail) - FOOTER_SIZE]), crc=icrc, size=size,
+                             where=where)
+        if any(c.offset < te < c.offset + c.length for c in index.chunks):
+            raise ManifestError(f"{where}: a chunk spans the end of the tensor region ({te})")
+    except ManifestError as e:
+        raise CorruptShardError(f"shard of rank {rank} at step {step}: {e}", step=step, rank=rank,
+                                where=where) from e
+    if index.step != step or index.rank != rank:
+        raise CorruptShardError(
+            f"{where}: expected the shard of rank {rank} at step {step}, got rank {index.rank} at "
+            f"step {index.step}", step=step, rank=rank, where=where)
+    n_head = sum(1 for c in index.chunks if c.offset < te)
+    verify_chunks(head, index.chunks, step=step, rank=rank, where=where, only=range(n_head))
+    shifted = [dataclasses.replace(c, offset=c.offset - te) for c in index.chunks[n_head:]]
+    verify_chunks(tail, shifted, step=step, rank=rank, where=where)
     return index, icrc
 
 

@@ -30,7 +30,10 @@ class ManagerConfig:
         keep: committed snapshots kept in memory per node (plus one in flight).
         replicas: copies of each shard pushed to other nodes (ring placement, other failure domains
             first); 1 survives any single node loss. Capped at (nodes - 1).
-        redundancy: ``"replica"`` (whole copies, ``replicas`` of them), ``"xor"``: XOR parity over
+        redundancy: ``"replica"`` (whole copies, ``replicas`` of them), ``"dp"``: the same
+            replicas, each built on its holder from the holder's own data-parallel copy of the
+            same tensors (HSDP's replicate dimension across nodes, plain DP) so that only the
+            source's unshared part travels (RNG, per-rank entries, its index); ``"xor"``: XOR parity over
             groups of ``group_size`` nodes (one rank per node per group, failure domains spread),
             surviving one lost node per group at 1 + 1/(group_size - 1) of the state in memory
             instead of 2x, or ``"rs"``: Reed-Solomon parity (pyeclib), surviving ``parity`` lost
@@ -131,9 +134,13 @@ class ManagerConfig:
             raise ConfigError(
                 f"replicas={self.replicas!r}: must be an integer >= 0 (copies on other nodes)"
             )
-        if self.redundancy not in ("replica", "xor", "rs"):
+        if self.redundancy not in ("replica", "dp", "xor", "rs"):
             raise ConfigError(f"redundancy={self.redundancy!r}: use 'replica' (whole copies), "
+                              "'dp' (whole copies built from data-parallel replicas), "
                               "'xor' (XOR parity groups) or 'rs' (Reed-Solomon parity groups)")
+        if self.redundancy == "dp" and self.replicas < 1:
+            raise ConfigError("redundancy='dp' keeps replicas (built on their holders from the "
+                              "data-parallel copies they hold): set replicas >= 1")
         if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 2:
             raise ConfigError(f"group_size={self.group_size!r}: must be an integer >= 2 (nodes per "
                               "parity group)")

@@ -74,8 +74,9 @@ class Manager:
             blocking time and ``mtbf_s``, within ``[1, every_max]``).
         keep: committed snapshots kept in memory per node (plus one in flight).
         replicas: copies of each shard pushed to other nodes (``redundancy="replica"``).
-        redundancy: ``"replica"``, ``"xor"`` (XOR parity over ``group_size`` nodes) or ``"rs"``
-            (Reed-Solomon, ``parity`` losses per group).
+        redundancy: ``"replica"``, ``"dp"`` (the replicas built from data-parallel copies: only
+            what the holder does not hold travels), ``"xor"`` (XOR parity over ``group_size``
+            nodes) or ``"rs"`` (Reed-Solomon, ``parity`` losses per group).
         group_size: nodes per parity group (``"xor"``, ``"rs"``).
         parity: lost nodes per group that ``"rs"`` rebuilds.
         staging: ``"sync"``, ``"pinned"`` or ``"async"`` (how ``save`` copies device tensors);
@@ -710,6 +711,8 @@ class Manager:
             commit_ms=r.commit_s * 1e3,
             replicate_ms=r.replicate_s * 1e3,
             replica_bytes=r.replica_bytes,
+            replica_sent_bytes=r.replica_sent_bytes,
+            replica_copy_ms=r.replica_copy_s * 1e3,
             skipped=r.skipped,
             error=r.error,
         )

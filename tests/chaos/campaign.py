@@ -120,7 +120,7 @@ class Config:
     reference_steps: int = 60
     network: bool = True  # network namespaces, when the machine allows them
     in_process: bool = False  # aegis.run_in_process instead of torchrun restarts
-    redundancy: str = "replica"  # or "xor" / "rs": one parity group over all nodes (issue 16)
+    redundancy: str = "replica"  # "dp" (replicas from DP copies) or "xor" / "rs": one parity group over all nodes
     spares: int = 0  # --in-process: nodes started beside the job that wait (max_world) to step in
     # the trainer's --mesh: "fsdp" (1-D), "hsdp" or "tp" (2-D, the inner dimension within a
     # node); 2-D in place runs rounds of whole nodes, checked in every round
@@ -272,8 +272,8 @@ class Campaign:
         c = self.cfg
         return [TRAINER, "--config", "tiny", "--steps", str(steps), "--dropout", "0.1",
                 "--job", job, "--every", "1", "--keep", "2",
-                *(["--redundancy", c.redundancy, "--group-size", str(c.nodes)] if c.redundancy != "replica"
-                  else ["--replicas", "1"]),
+                *(["--redundancy", c.redundancy, "--group-size", str(c.nodes)] if c.redundancy in ("xor", "rs")
+                  else ["--redundancy", c.redundancy, "--replicas", "1"]),
                 "--durable", f"s3://{BUCKET}/chaos", "--durable-every", str(c.durable_every),
                 "--durable-keep-last", str(c.durable_keep_last),
                 "--durable-max-pending", str(c.durable_max_pending),
@@ -1100,9 +1100,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="write the summary JSON here")
     p.add_argument("--in-process", action="store_true",
                    help="the trainer recovers in place (aegis.run_in_process)")
-    p.add_argument("--redundancy", choices=("replica", "xor", "rs"), default="replica",
-                   help="memory redundancy: one replica per shard, or XOR / Reed-Solomon (2 parity) "
-                        "parity over the nodes")
+    p.add_argument("--redundancy", choices=("replica", "dp", "xor", "rs"), default="replica",
+                   help="memory redundancy: one replica per shard (dp: built from the data-parallel "
+                        "copies, with --mesh hsdp), or XOR / Reed-Solomon (2 parity) parity over "
+                        "the nodes")
     p.add_argument("--topology", default="3x1", metavar="NxR",
                    help=f"N nodes of R ranks each ({', '.join(TOPOLOGIES)}; default 3x1)")
     p.add_argument("--spares", type=int, default=0,
