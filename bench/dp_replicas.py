@@ -6,11 +6,13 @@ trainer's GPT under HSDP (mesh ``(2, 2)``: replicate across the nodes, shard wit
 layout torchtitan builds with ``data_parallel_replicate_degree=2``) and per arm runs ``--saves``
 snapshots, each followed by a training step that runs beside its background work:
 
-==========  ========================================================================================
-replica     ``Manager(replicas=1)``: each shard pushed whole to its twin on the other node
-dp          ``Manager(redundancy="dp", replicas=1)``: the same replicas, each built on the twin from
-            its own copy of the same tensors; only the unshared part (RNG, index) travels
-==========  ========================================================================================
+==============  ====================================================================================
+replica         ``Manager(replicas=1)``: each shard pushed whole to its twin on the other node
+dp              ``Manager(redundancy="dp", replicas=1)``: the same replicas, each built on the twin
+                from its own copy of the same tensors; only the unshared part (RNG, index) travels
+replica-async,  the same with ``staging="async"``: the copies of tensors an optimizer updates (the
+dp-async        twin's share too) are made after ``save()`` returns, before the next optimizer step
+==============  ====================================================================================
 
 Measured per arm (median over the timed saves, slowest rank): replica bytes sent per snapshot
 and rank, ``save()`` blocking time (``dp``: with its copy of the twin's tensors), background and
@@ -52,7 +54,7 @@ from _common import (  # noqa: E402 - bench/ is on sys.path as a script
 )
 
 NAME = "dp_replicas"
-ARMS = ("replica", "dp")
+ARMS = ("replica", "dp", "replica-async", "dp-async")
 WORLD = 4
 
 
@@ -77,8 +79,10 @@ def _setup(rank: int, shape: dict[str, int], root: str, arm: str) -> tuple[Any, 
     os.environ["AEGIS_NODE_ID"] = node
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
     model, opt, _ = build_gpt(shape, mesh=mesh)
+    redundancy, _, staging = arm.partition("-")
     mgr = Manager("bench", {"model": ModelOptimizerState(model, opt)}, every=1, keep=1,
-                  store_dir=f"{root}/{arm}/{node}", verbose=False, replicas=1, redundancy=arm)
+                  store_dir=f"{root}/{arm}/{node}", verbose=False, replicas=1,
+                  redundancy=redundancy, staging=staging or "sync")
     return model, opt, mgr
 
 
@@ -104,7 +108,8 @@ def _save_arm(rank: int, world: int, arm: str, args: argparse.Namespace, shape: 
         assert res is not None and res.committed, res
         if i:  # the first is the warm-up (plans, faults in the slots)
             rows.append({"blocking_s": res.blocking_s, "copy_s": res.copy_s,
-                         "replica_copy_s": res.replica_copy_s, "background_s": res.background_s,
+                         "replica_copy_s": res.replica_copy_s, "deferred_s": res.deferred_s,
+                         "background_s": res.background_s,
                          "replicate_s": res.replicate_s, "train_step_s": train_s,
                          "shard_bytes": res.shard_bytes, "replica_bytes": res.replica_bytes,
                          "replica_sent_bytes": res.replica_sent_bytes})

@@ -40,19 +40,21 @@ class _Scale:
         self.t.copy_(sd["t"])
 
 
-def _manager(root: str, rank: int, model: Any, opt: Any, sched: Any, redundancy: str) -> Manager:
+def _manager(root: str, rank: int, model: Any, opt: Any, sched: Any, redundancy: str,
+             staging: str = "sync") -> Manager:
     node = f"node-{rank // 2}"
     os.environ["AEGIS_NODE_ID"] = node
     scale = _Scale()
     return Manager(JOB, {"model": ModelOptimizerState(model, opt), "sched": sched,
                          "scale": aegis.replicated(scale)},
-                   store_dir=f"{root}/{node}", verbose=False, replicas=1, redundancy=redundancy)
+                   store_dir=f"{root}/{node}", verbose=False, replicas=1, redundancy=redundancy,
+                   staging=staging)
 
 
 def _save(rank: int, world: int, root: str, layout: str, redundancy: str,
-          diverge_at: int = 0) -> dict[str, Any]:
+          diverge_at: int = 0, staging: str = "sync") -> dict[str, Any]:
     model, opt, sched, dp = _build(layout, world)
-    mgr = _manager(root, rank, model, opt, sched, redundancy)
+    mgr = _manager(root, rank, model, opt, sched, redundancy, staging)
     mgr.restore()
     sent, copies, error = [], [], None
     for step in (1, 2, 3):
@@ -92,9 +94,12 @@ def _store_bytes(node_dir: Path) -> int:
 
 
 @pytest.mark.timeout(400)
+@pytest.mark.parametrize("staging", ["sync", "async"])
 def test_hsdp_replicas_are_built_from_the_replicate_peers_and_a_lost_node_restores_bitwise(
-        tmp_path: Path) -> None:
-    dp = run_ranks(4, _save, str(tmp_path / "dp"), "hsdp", "dp", timeout=240)
+        tmp_path: Path, staging: str) -> None:
+    """``staging="async"``: the copies of tensors an optimizer updates, the twin's share
+    included, are made after save() returns, before the next optimizer step."""
+    dp = run_ranks(4, _save, str(tmp_path / "dp"), "hsdp", "dp", 0, staging, timeout=240)
     whole = run_ranks(4, _save, str(tmp_path / "replica"), "hsdp", "replica", timeout=240)
     for r in range(4):
         # what travels is the rank's unshared part (15 KB of RNG states, its bytes region and

@@ -312,7 +312,14 @@ class SnapshotEngine:
         except Exception as e:  # noqa: BLE001 - every rank must still take part in the commit
             error = e
         tl = time.perf_counter()
-        self.redundancy.stage_local(step, resolve)  # never raises: protect() reports its failures
+        # redundancy="dp": the replicas this rank builds from its own copy (never raises:
+        # protect() reports its failures); copies it defers join this snapshot's barrier
+        later = self.redundancy.stage_local(step, resolve, self.stager if staged is not None else None)
+        if later and staged is not None:
+            if staged.barrier is not None:
+                staged.barrier.later.extend(later)
+            else:
+                staged.barrier = self.stager.begin_deferred(later, False)
         result.replica_copy_s = time.perf_counter() - tl
         self._barrier = staged.barrier if staged is not None else None
         if self._barrier is not None:  # async: the deferred copies run first on the worker

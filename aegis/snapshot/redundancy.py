@@ -52,6 +52,7 @@ from aegis.snapshot.node_store import Slot, is_store_full
 from aegis.snapshot.placement import Placement, parity_groups
 from aegis.snapshot.shard import ShardLayout, check_blob, check_split, plan_layout, zero_gaps
 from aegis.snapshot.slot_pools import SlotPools
+from aegis.snapshot.staging import Stager
 from aegis.snapshot.transport import Recv, Send, Transport
 
 __all__ = ["DpReplicaScheme", "Protected", "ReplicaScheme", "RsScheme", "Scheme", "XorScheme", "build",
@@ -120,8 +121,11 @@ class Scheme:
     def adopt(self, extra: Any, layout: ShardLayout) -> None:
         """Every rank, once per plan: its part of :meth:`plan_extras` and its own layout."""
 
-    def stage_local(self, step: int, resolve: Callable[[WriteItem], Any]) -> None:
-        """Training thread, in the blocking part of ``save(step)`` after the own copy."""
+    def stage_local(self, step: int, resolve: Callable[[WriteItem], Any],
+                    stager: Stager | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Training thread, in the blocking part of ``save(step)`` after the own copy. Returns
+        the copies ``stager`` (``staging="async"``) defers, for the snapshot's barrier."""
+        return []
 
     def staged_slots(self) -> list[Slot]:
         """Slots :meth:`stage_local` filled that no :meth:`protect` took yet (an abort)."""
@@ -309,9 +313,11 @@ class DpReplicaScheme(ReplicaScheme):
             src = plan_layout(items, chunk_bytes=layout.chunk_bytes)
             self._src[s] = (src, local, src.spans(set(range(len(src.tensors))) - set(local)))
 
-    def stage_local(self, step: int, resolve: Callable[[WriteItem], Any]) -> None:
+    def stage_local(self, step: int, resolve: Callable[[WriteItem], Any],
+                    stager: Stager | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         staged: dict[int, Slot | str] = {}
         self._staged = (step, staged)
+        deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
         for s, (layout, local, _) in self._src.items():
             try:
                 rs = self.pools.take_replica(step, s, layout.tensor_end)
@@ -325,13 +331,20 @@ class DpReplicaScheme(ReplicaScheme):
                     zero_gaps(rs.view, layout)
                     rs.clean = layout
                 views = rs.item_views(layout)
+                pairs = [(views[i], resolve(layout.tensors[i].item)) for i in local]
+                now, later = pairs, []
+                if stager is not None and stager.mode == "async":  # as the own copies: the
+                    split = stager.split(pairs)  # tensors an optimizer updates go to the barrier
+                    now, later = split.now, split.later
                 with torch.no_grad():
-                    for i in local:
-                        views[i].copy_(resolve(layout.tensors[i].item).detach())
+                    for dst, src in now:
+                        dst.copy_(src.detach())
+                deferred.extend(later)
             except Exception as e:  # noqa: BLE001 - reported by protect(), the commit aborts
                 staged[s] = f"copying this rank's data-parallel copy of rank {s}'s tensors: " \
                             f"{type(e).__name__}: {e}"
                 self.pools.discard(step, [rs])
+        return deferred
 
     def staged_slots(self) -> list[Slot]:
         staged, self._staged = self._staged, None

@@ -23,7 +23,10 @@ rest of the recovery, and ``cpu_steady`` over the 5 s before the fault. For a do
 snapshot to admit registered processes (cause ``regroup: ...``) and that formed no bigger than
 the round before: nobody was admitted, a round change for nothing. ``stalled``: the seconds
 spent in gaps of more than 1 s between two trained steps from the fault until it was resolved
-(every round change counts, the ones after the resume too).
+(every round change counts, the ones after the resume too). ``worker_back`` (worker kills,
+read from the membership store's ``store.log``): the fault -> the replacement worker's
+registration to join, the least a survivor would wait if it waited for the worker instead of
+going on without its node (issue 38: "or the survivors wait for it when that is quicker").
 
     python -m tests.chaos.phases bench/results/chaos_rs6_fp_seed53.json [--workdir DIR] [--faults] [--out F]
 """
@@ -31,16 +34,19 @@ spent in gaps of more than 1 s between two trained steps from the fault until it
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import statistics
 import sys
+from collections.abc import Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from aegis.sim.scenario import read_events, read_jsonl
 
-PHASES = ("empty_admissions", "stalled", "detect", "teardown", "agree", "regroup", "manager_start", "restore", "first_step",
+PHASES = ("empty_admissions", "stalled", "worker_back", "detect", "teardown", "agree", "regroup", "manager_start", "restore", "first_step",
           "step_time", "save_time", "resume", "resume_second", "cpu_steady", "cpu_detect",
           "cpu_after")
 
@@ -55,8 +61,22 @@ def _began(e: dict[str, Any]) -> float:
     return float(e.get("failed_at") or e["time"] - sum(e["timings"].values()))
 
 
+def _registrations(workdir: Path) -> list[tuple[float, str]]:
+    """(time, "node-N/L") of every registration to join in the store's log."""
+    out = []
+    log = workdir / "store.log"
+    for line in log.read_text(errors="replace").splitlines() if log.exists() else []:
+        stamp, _, rest = line.partition(" aegis store: ")
+        who = rest.split(" ", 1)[0]
+        if "registered to join" in rest and who.count("/") == 2:
+            with contextlib.suppress(ValueError):
+                out.append((datetime.fromisoformat(stamp).timestamp(), who.rsplit("/", 1)[0]))
+    return out
+
+
 def fault_phases(rec: dict[str, Any], events: list[dict[str, Any]], losses: list[dict[str, Any]],
-                 cpu: list[tuple[float, float]]) -> dict[str, float] | None:
+                 cpu: list[tuple[float, float]],
+                 registrations: Sequence[tuple[float, str]] = ()) -> dict[str, float] | None:
     """The phases of one fault (see the module docstring); None when it did not resume."""
     if rec.get("resume_s") is None:
         return None
@@ -113,6 +133,11 @@ def fault_phases(rec: dict[str, Any], events: list[dict[str, Any]], losses: list
             and str(e.get("cause", "")).startswith("regroup:") for e in events)))
     times = [t0] + [x["time"] for x in losses if t0 < x["time"] <= rec["t_resolved"]]
     out["stalled"] = sum(b - a for a, b in zip(times, times[1:], strict=False) if b - a > 1.0)
+    out["worker_back"] = nan
+    if rec["kind"] == "worker_kill":  # rec["node"]: "node-N/L"
+        back = [t for t, who in registrations if who == rec["node"] and t > t0]
+        if back:
+            out["worker_back"] = min(back) - t0
     t2 = rec.get("t_second")
     if t2 is not None:
         back = next((e for e in events if e["event"] == "restore" and e.get("found")
@@ -140,8 +165,9 @@ def analyse(summary: dict[str, Any], workdir: Path) -> dict[str, Any]:
             if len(parts) == 2:
                 cpu.append((float(parts[0]), float(parts[1])))
     faults = []
+    registrations = _registrations(workdir)
     for rec in summary["records"]:
-        ph = fault_phases(rec, events, losses, cpu)
+        ph = fault_phases(rec, events, losses, cpu, registrations)
         if ph is not None:
             faults.append({"index": rec["index"], "kind": rec["kind"], "node": rec["node"], **ph})
     kinds: dict[str, list[dict[str, Any]]] = {}
