@@ -7,6 +7,7 @@ process with the production heartbeat and round formation behind reconnecting cl
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -243,6 +244,26 @@ def test_the_store_restarted_empty_while_a_round_runs(server: _Server) -> None:
     assert max(g[1] for g in got) < 1.0, got
     for m in ms:
         m.close()
+
+
+def test_no_route_to_the_store_during_a_partition_is_retried_like_a_refused_connection(
+        server: _Server) -> None:
+    """A partitioned node's connect fails at once with EHOSTUNREACH ("No route to host", a plain
+    OSError, not a ConnectionError) once its neighbour's ARP entry expires. It is an outage like
+    a refused connection: retried until ``outage_s``, not raised (found by a 24-fault campaign:
+    partitions over ~15 s made the cut-off node's workers exit and restart instead of rejoining)."""
+    tries: list[float] = []
+
+    def connect(timeout: timedelta) -> Any:
+        tries.append(time.monotonic())
+        if len(tries) <= 2:
+            raise OSError(errno.EHOSTUNREACH, "No route to host")
+        return dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timeout)
+
+    client = StoreClient(connect, timeout_s=5.0, request_s=2.0, outage_s=30.0)
+    client.call("set", "route", "back")
+    assert client.call("get", "route") == b"back"
+    assert len(tries) == 3, tries
 
 
 def test_the_store_unreachable_past_the_bound_ends_in_a_restart(server: _Server) -> None:

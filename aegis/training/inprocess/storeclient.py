@@ -33,6 +33,7 @@ process per heartbeat), nothing per world size.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
 import queue
@@ -73,10 +74,17 @@ class StoreRestarted(Exception):  # noqa: N818 - an event the caller handles, no
     """The store lost its keys (it was restarted empty); the request was not sent."""
 
 
+# errnos of a route that is gone (a partition, a link down: connect() fails at once with these
+# once the neighbour's ARP entry expired), which are plain OSErrors, not ConnectionErrors
+_UNREACHABLE = {errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN, errno.ENETDOWN}
+
+
 def is_store_failure(e: BaseException) -> bool:
     """A failure of the connection to the store (not a key that a ``get`` or ``wait`` waited
     for in vain: that is the request's own timeout, ``DistStoreError: wait timeout``)."""
     if isinstance(e, ConnectionError | TimeoutError | _Abandoned):
+        return True
+    if isinstance(e, OSError) and e.errno in _UNREACHABLE:
         return True
     name = type(e).__name__
     text = str(e).lower()
@@ -84,7 +92,8 @@ def is_store_failure(e: BaseException) -> bool:
         return True
     return any(m in text for m in ("broken pipe", "connection reset", "connection refused",
                                    "failed to recv", "connection was likely closed",
-                                   "failed to connect"))
+                                   "failed to connect", "no route to host",
+                                   "network is unreachable"))
 
 
 class _Abandoned(Exception):  # noqa: N818
