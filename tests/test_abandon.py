@@ -9,7 +9,10 @@ Real ranks (separate processes), real process groups, a real TCPStore for what t
    from another thread, and its own pending collective fails at once;
 3. after either, every process forms a new group from the store and its collectives work;
 4. a fence works without the silent peer's published sockets (the store restarted empty and
-   lost them): the fencing process shuts its own connections of the round down.
+   lost them): the fencing process shuts its own connections of the round down;
+5. a process fencing *itself* (its peers declared it dead: it was frozen or cut off, and the
+   round went on) makes its own pending collective fail at once, although the peer it waits on
+   is alive and never closes the connection.
 
 Parametrized over the implementations this machine can run: gloo always; NCCL needs two GPUs
 (one GPU cannot host two NCCL ranks), so on a CPU machine it is not generated, not skipped.
@@ -94,12 +97,12 @@ def _case(rank: int, world: int, port: int, backend: str, how: str) -> dict[str,
         Round.thread = threading.current_thread()
         Round.active = True
         Round.members = members
-        if how in ("fence", "fence-store-lost"):
+        if how in ("fence", "fence-store-lost", "fence-self"):
             def fence_later() -> None:
                 time.sleep(1.0)
                 if how == "fence-store-lost":  # restarted empty: p0's published sockets gone
                     store.delete_key("aegis/round/0/ports/p0")
-                out["cut"] = ab.fence("p0")
+                out["cut"] = ab.fence(uid if how == "fence-self" else "p0")
             threading.Thread(target=fence_later, daemon=True).start()
         t0 = time.monotonic()
         try:
@@ -119,7 +122,7 @@ def _case(rank: int, world: int, port: int, backend: str, how: str) -> dict[str,
 
 
 @pytest.mark.parametrize("backend", _backends())
-@pytest.mark.parametrize("how", ["leave", "fence", "fence-store-lost"])
+@pytest.mark.parametrize("how", ["leave", "fence", "fence-store-lost", "fence-self"])
 def test_abandon_contract(backend: str, how: str) -> None:
     import torch.distributed as dist
 

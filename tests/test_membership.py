@@ -581,6 +581,39 @@ def test_a_member_whose_beats_pause_is_fenced_but_stays_in_the_next_round(
         _stop(ms)
 
 
+def test_a_member_that_finds_itself_declared_dead_fences_itself_off_its_round(
+        store: dist.TCPStore) -> None:
+    """A member silent for dead_after_s (here its beats held back, as a SIGSTOP or a cut link
+    would) is declared and fenced by the others; when it looks again and reads its own name in
+    the round's death log, it fences itself: off its whole round (gloo: every connection of its
+    own shut down), so that a collective it is blocked in fails whichever peer it waits on. A
+    chaos campaign found a thawed worker blocked for good in an all-gather with its own node's
+    other worker, which had left the round without closing that connection."""
+    uids = [f"n{i}/0/1" for i in range(3)]
+    ms = _members(store.port, uids)
+    try:
+        _first_round(ms)
+        time.sleep(0.5)
+        paused = ms[1]
+        real = paused.hb.tick
+        pause = threading.Event()
+        pause.set()
+
+        def held_back() -> bool:
+            if pause.is_set():
+                pause.clear()
+                time.sleep(DEAD_AFTER + 0.5)
+            return real()
+
+        paused.hb.tick = held_back  # type: ignore[method-assign]
+        others = [m for m in ms if m is not paused]
+        _wait(lambda: all(paused.uid in m.fenced for m in others), DEAD_AFTER + 5, "fenced")
+        _wait(lambda: paused.uid in paused.fenced, DEAD_AFTER + 5, "fenced itself")
+        assert not any(m.uid in m.fenced for m in others)  # nobody else declared itself
+    finally:
+        _stop(ms)
+
+
 def test_a_proposer_that_stops_is_replaced(store: dist.TCPStore) -> None:
     """The member that won the proposer key of a round stops (its heartbeat too) before it
     proposes: the others take the key over once its counter did not move for a wait slice,

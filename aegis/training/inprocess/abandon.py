@@ -69,9 +69,12 @@ class Abandon(abc.ABC):
     @abc.abstractmethod
     def fence(self, uid: str) -> int:
         """``uid`` (a member of the running round) has been silent for ``dead_after_s``: make
-        every collective of this process that waits on it fail now. Called from the heartbeat
-        thread while the round's thread may be blocked in a collective. Returns how many
-        connections or communicators were cut; raises if it could not tell what to cut yet
+        every collective of this process that waits on it fail now. ``uid`` may be this
+        process's own: its peers declared it dead (it was frozen or cut off, and the round went
+        on without it), so every collective of its round must fail now, whichever peer it waits
+        on (one of its own node that left without closing the connection, say). Called from the
+        heartbeat thread while the round's thread may be blocked in a collective. Returns how
+        many connections or communicators were cut; raises if it could not tell what to cut yet
         (the membership store unreachable): the heartbeat fences again at its next beat."""
 
     @abc.abstractmethod
@@ -154,6 +157,8 @@ class GlooAbandon(Abandon):
         connection to the round's rendezvous (a creation of groups waiting for ``uid``'s
         address, the default group's or a later one's, fails now: the round is over anyway)."""
         cut = _sockets.shutdown_where_inode(self.rdv) if self.rdv else 0
+        if uid == self.uid:  # declared dead itself: off the whole round, from what it keeps here
+            return cut + self._cut_mine()
         try:
             info = self._info(uid, strict=True) if self.store is not None else None
         except Exception:  # noqa: BLE001 - the store unreachable: as if it published nothing
@@ -271,13 +276,16 @@ class NcclAbandon(Abandon):
     def __init__(self, *, destroy_bound_s: float = 10.0) -> None:
         self.destroy_bound_s = destroy_bound_s
         self.aborted = False
+        self.uid = ""
 
     def begin(self, store: Any, r: int, uid: str) -> None:
         self.aborted = False
+        self.uid = uid
 
     def fence(self, uid: str) -> int:
-        Round.failed = (f"member {uid} of round {Round.r} went silent; the round's NCCL "
-                        "communicators were aborted")
+        who = ("this process was declared dead by its peers" if uid == self.uid
+               else f"member {uid} of round {Round.r} went silent")
+        Round.failed = f"{who}; the round's NCCL communicators were aborted"
         n = abort_nccl()
         self.aborted = True
         raise_in(Round.thread, PeerLost)

@@ -414,13 +414,17 @@ class Heartbeat:
         :class:`~.abandon.Abandon`: gloo shuts its connections with it down, NCCL aborts the
         communicators), so that a collective waiting on it fails now instead of at the group's
         timeout. The member is left out of the next round; if it comes back, it registers and
-        rejoins at a snapshot."""
+        rejoins at a snapshot. This process itself declared dead (read when it wakes up or its
+        link comes back) is fenced too: off its whole round, whose collectives cannot finish
+        (found by a chaos campaign: a frozen worker, thawed, stayed blocked for good in an
+        all-gather waiting on its own node's other worker, which had left the round without
+        closing that connection)."""
         if self._fence is None or self._fenceable is None or log is None:
             return
         with self._lock:
             if self._log != log:
                 return
-            todo = [u for u in self._declared if u not in self._fenced and u != self.uid]
+            todo = [u for u in self._declared if u not in self._fenced]
         for uid in todo:
             if not self._fenceable(uid):
                 continue
