@@ -82,6 +82,44 @@ def test_meshes_from_world_on_real_ranks() -> None:
         assert "node-0: ranks [0, 1], node-1: ranks [2, 3]" in o["tp4"]
 
 
+def _timeouts(rank: int, world: int, members: list[str]) -> dict[str, Any]:
+    import time
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from aegis.training.inprocess.round import Round
+
+    Round.collective_timeout = timedelta(seconds=3)
+    w = World(rank=rank, size=world, round=0, node="", members=members)
+    mesh = w.mesh("cpu", dp_replicate=-1, dp_shard=2)
+    out: dict[str, Any] = {d: str(mesh.get_group(d)._get_backend(torch.device("cpu")).options._timeout)
+                           for d in ("dp_replicate", "dp_shard")}
+    t = torch.ones(1)
+    dist.all_reduce(t, group=mesh.get_group("dp_shard"))
+    if rank == 0:  # its node's other rank never enters: the collective ends at the timeout
+        t0 = time.monotonic()
+        try:
+            dist.all_reduce(t, group=mesh.get_group("dp_shard"))
+            out["stuck"] = "completed"
+        except RuntimeError:
+            out["stuck"] = time.monotonic() - t0
+    dist.barrier()
+    return out
+
+
+def test_a_mesh_from_world_takes_the_rounds_collective_timeout() -> None:
+    """``init_device_mesh`` makes its groups with ``new_group``'s default timeout, 30 minutes,
+    not the default group's: a collective on one of them that no fence ends (a thawed worker
+    waiting on its node's peer, gone from the round: the chaos campaign) waited that long.
+    ``World.mesh`` gives them the round's collective timeout."""
+    members = _members(("node-0", [0, 1]), ("node-1", [0, 1]))
+    out = run_ranks(4, _timeouts, members, timeout=90)
+    assert all(o["dp_replicate"] == o["dp_shard"] == "0:00:03" for o in out), out
+    assert isinstance(out[0]["stuck"], float) and out[0]["stuck"] < 20, out[0]
+
+
 @pytest.mark.quick
 def test_a_within_node_dimension_is_refused_on_a_partial_node_before_any_group() -> None:
     members = _members(("node-0", [0, 1]), ("node-1", [0]), ("node-2", [0, 1]))

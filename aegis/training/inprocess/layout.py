@@ -186,11 +186,17 @@ def infer_dims(size: int, dims: Mapping[str, int]) -> dict[str, int]:
 
 
 def build_mesh(device_type: str, layout: Layout, size: int, dims: Mapping[str, int],
-               within_node: Sequence[str] = ()) -> Any:
+               within_node: Sequence[str] = (), timeout: Any = None) -> Any:
     """``init_device_mesh(device_type, shape, mesh_dim_names=names)`` for the round, on the
     round's default group. ``within_node``: dimensions whose groups must not span two nodes
     (tensor parallel over NVLink): they must be the innermost ones, and the round must be made
-    of whole nodes whose size is a multiple of their product. Every rank of the round calls it."""
+    of whole nodes whose size is a multiple of their product. Every rank of the round calls it.
+
+    ``timeout`` (a timedelta; the round's collective timeout): the mesh's groups on ``"cpu"``
+    (gloo) get it too. ``init_device_mesh`` makes them with ``new_group``'s default, 30 minutes,
+    not the default group's timeout: a collective on one that no fence ended (a thawed worker
+    waiting on its own node's peer that had left the round, seen in the chaos campaign) waited
+    that long. NCCL groups keep torch's default (their options carry more than a timeout)."""
     shape = infer_dims(size, dims)
     names = list(shape)
     inner = list(within_node)
@@ -208,4 +214,12 @@ def build_mesh(device_type: str, layout: Layout, size: int, dims: Mapping[str, i
             "whole-node rounds, or leave within_node out to allow it")
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device_type, tuple(shape.values()), mesh_dim_names=tuple(names))
+    override: dict[int | str, Any] | None = None
+    if timeout is not None and device_type == "cpu":
+        import torch.distributed as dist
+
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+        options._timeout = timeout
+        override = {name: ("gloo", options) for name in names}
+    return init_device_mesh(device_type, tuple(shape.values()), mesh_dim_names=tuple(names),
+                            backend_override=override)

@@ -554,6 +554,7 @@ def run_in_process(
                 continue
             Round.saves = 0
             Round.create_timeout = create_timeout
+            Round.collective_timeout = collective_timeout
             t2 = time.perf_counter()
             if restarts:
                 timings.update(agree_s=t1 - t0, regroup_s=t2 - t1)

@@ -129,7 +129,8 @@ class World:
             ConfigError: the dimensions do not divide the world, or a ``within_node``
                 dimension would span two nodes of this round; nothing was created.
         """
-        return build_mesh(device_type, self.layout, self.size, dims, within_node)
+        return build_mesh(device_type, self.layout, self.size, dims, within_node,
+                          timeout=Round.collective_timeout)
 
 
 class Round:
@@ -148,6 +149,7 @@ class Round:
     failed: str | None = None  # set when a member was fenced off: why the round must end
     saves: int = 0  # Manager.save() calls that snapshotted in this round (empty rounds)
     create_timeout: Any = None  # run_in_process' bound on creating a round's groups
+    collective_timeout: Any = None  # run_in_process' collective timeout (World.mesh's groups too)
     joiners: Any = None  # () -> the join counter as the heartbeat last read it
     max_world: int | None = None  # run_in_process(max_world=): more processes wait as spares
     per_node: int = 1  # run_in_process(ranks_per_node=): > 1, rounds of whole nodes only
