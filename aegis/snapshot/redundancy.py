@@ -419,6 +419,11 @@ class DpReplicaScheme(ReplicaScheme):
                     err = (f"{e}; this replica was built from rank {self.rank}'s own copy of rank "
                            f"{src}'s tensors (redundancy='dp'): are the data-parallel replicas "
                            "bitwise equal? If they are not, use redundancy='replica'")
+                except OSError as e:  # the tail did not fit: a full store skips the snapshot
+                    err = f"no room for the replica: {type(e).__name__}: {e}" if is_store_full(e) \
+                        else f"writing the replica's tail: {type(e).__name__}: {e}"
+                    if is_store_full(e):
+                        no_room.add(src)
             received.append((src, None, err))
             self.pools.discard(step, [rs])
         full = all(err is None or src in no_room for src, _, err in received)
