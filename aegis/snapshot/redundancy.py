@@ -13,12 +13,14 @@ calls (:meth:`~aegis.snapshot.engine.SnapshotEngine` ``._finish``):
 
 :func:`build` chooses the scheme from the configuration and the world (the node of every
 rank): ``replica`` (:class:`ReplicaScheme`, ``replicas`` whole copies on the next nodes of the ring,
-other failure domains first), ``xor`` (:class:`XorScheme`, one loss per group) or ``rs``
+other failure domains first), ``dp`` (:class:`DpReplicaScheme`: the same replicas, each built on
+its holder from the holder's own data-parallel copy of the tensors, only the rest sent), ``xor``
+(:class:`XorScheme`, one loss per group) or ``rs``
 (:class:`RsScheme`, ``parity`` losses per group, pyeclib), with the parity schemes degrading to
 fewer losses, or to one whole replica, in worlds their groups do not fit.
 
 Costs per rank and snapshot, flat in the world size: replicas send and receive ``replicas``
-shards; XOR sends about one shard and receives N-1 segments of 1/(N-1) shard; RS sends about
+shards (``dp``: the unshared part of each, and one more local copy per replica held); XOR sends about one shard and receives N-1 segments of 1/(N-1) shard; RS sends about
 one shard plus k-1 pieces and encodes one stripe (N: the parity group's size, ``group_size``).
 """
 
