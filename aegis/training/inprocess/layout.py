@@ -219,7 +219,7 @@ def build_mesh(device_type: str, layout: Layout, size: int, dims: Mapping[str, i
         import torch.distributed as dist
 
         options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-        options._timeout = timeout
+        options._timeout = timeout  # aegis: private-assign (torch exposes no other way)
         override = {name: ("gloo", options) for name in names}
     return init_device_mesh(device_type, tuple(shape.values()), mesh_dim_names=tuple(names),
                             backend_override=override)
