@@ -394,21 +394,7 @@ def check_blob(data: memoryview | bytes, *, step: int, rank: int, where: str) ->
 
     Returns the index and its crc32c (to compare with the owner's record).
     """
-    size = len(data)
-    try:
-        if size < FOOTER_SIZE:
-            raise ManifestError(f"{where}: shard is truncated ({size} bytes)")
-        start, icrc = decode_footer(bytes(data[size - FOOTER_SIZE:]), size=size, where=where)
-        index = decode_index(bytes(data[start:size - FOOTER_SIZE]), crc=icrc, size=size, where=where)
-    except ManifestError as e:
-        raise CorruptShardError(f"shard of rank {rank} at step {step}: {e}", step=step, rank=rank,
-                                where=where) from e
-    if index.step != step or index.rank != rank:
-        raise CorruptShardError(
-            f"{where}: expected the shard of rank {rank} at step {step}, got rank {index.rank} at "
-            f"step {index.step}", step=step, rank=rank, where=where)
-    verify_chunks(data, index.chunks, step=step, rank=rank, where=where)
-    return index, icrc
+    return check_split(memoryview(b""), data, step=step, rank=rank, where=where)
 
 
 def check_split(head: memoryview, tail: memoryview | bytes, *, step: int, rank: int, where: str
@@ -437,7 +423,8 @@ def check_split(head: memoryview, tail: memoryview | bytes, *, step: int, rank: 
             f"step {index.step}", step=step, rank=rank, where=where)
     n_head = sum(1 for c in index.chunks if c.offset < te)
     verify_chunks(head, index.chunks, step=step, rank=rank, where=where, only=range(n_head))
-    shifted = [dataclasses.replace(c, offset=c.offset - te) for c in index.chunks[n_head:]]
+    shifted = index.chunks if not te else [dataclasses.replace(c, offset=c.offset - te)
+                                           for c in index.chunks[n_head:]]
     verify_chunks(tail, shifted, step=step, rank=rank, where=where)
     return index, icrc
 
