@@ -460,32 +460,53 @@ def _raw(t: torch.Tensor) -> bytes:
     return t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
 
 
-def _local_parts(local: dict[str, Any]) -> list[tuple[str, str, Any]]:
+def _local_parts(local: dict[str, Any]) -> list[tuple[str, Any, Any]]:
     """This rank's part of each value of ``local`` (name -> tensor, DTensor or other), as one
-    gather carries it: (name, how rank 0 joins the ranks' parts, the part). Row shards
-    (``Shard(0)``, FSDP2's) and whole tensors travel as their bytes: the rows of a dim-0 shard
-    are contiguous in the full tensor, so the ranks' bytes in rank order are the full tensor's."""
-    from torch.distributed.tensor import DTensor, Shard
+    gather carries it: (name, where the part lies in the full value, the part). A DTensor's local
+    chunk travels as its bytes with its global offset and the full shape (any mesh: FSDP's row
+    shards, HSDP's and TP's 2-D placements), sent only by the ranks at coordinate 0 of every
+    dimension it is replicated over, so a replicated chunk crosses once and no per-tensor
+    collective (``full_tensor()``) runs; a plain tensor or another value travels whole, and
+    rank 0 keeps its own."""
+    from torch.distributed.tensor import DTensor
 
-    parts: list[tuple[str, str, Any]] = []
-    world = dist.get_world_size()
+    parts: list[tuple[str, Any, Any]] = []
     for name, t in local.items():
         if isinstance(t, DTensor):
-            if len(t.placements) != 1 or t.device_mesh.size() != world:
-                # a 2-D mesh, or one dimension of one (FSDP beside TP): the general (slower) way
-                parts.append((name, "first", _raw(t.full_tensor())))
-            elif isinstance(t.placements[0], Shard):
-                dim = t.placements[0].dim
-                local_t = t.to_local()
-                parts.append((name, "cat0", _raw(local_t)) if dim == 0 else
-                             (name, f"cat{dim}", local_t.detach().cpu()))
-            else:
-                parts.append((name, "first", _raw(t.to_local())))
+            coord = t.device_mesh.get_coordinate() or []
+            if any(p.is_replicate() and c != 0 for p, c in zip(t.placements, coord, strict=True)):
+                continue  # another rank sends this copy
+            (chunk,) = t.__create_chunk_list__()  # the offsets and sizes DCP plans with
+            where = (tuple(t.shape), t.dtype, tuple(chunk.offsets), tuple(chunk.sizes))
+            parts.append((name, where, _raw(t.to_local())))
         elif isinstance(t, torch.Tensor):
-            parts.append((name, "first", _raw(t)))
+            parts.append((name, None, _raw(t)))
         else:
-            parts.append((name, "first", t))
+            parts.append((name, None, t))
     return parts
+
+
+def _joined(pieces: list[tuple[Any, Any]]) -> Any:
+    """The full value from its pieces ((where, part) per rank that sent one, in rank order): a
+    DTensor's chunks put in place (a chunk two ranks sent is taken once), else rank 0's value."""
+    where0, first = pieces[0]
+    if where0 is None:
+        return first
+    shape, dtype = where0[0], where0[1]
+    full = torch.empty(shape, dtype=dtype)
+    filled = 0
+    seen: set[tuple[int, ...]] = set()
+    for (_, _, offsets, sizes), part in pieces:
+        n = math.prod(sizes)
+        if offsets in seen or n == 0:
+            continue
+        seen.add(offsets)
+        region = full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))]
+        region.copy_(torch.frombuffer(bytearray(part), dtype=dtype).view(sizes))
+        filled += n
+    if filled != full.numel():
+        raise RuntimeError(f"state digest: the chunks cover {filled} of {full.numel()} elements")
+    return _raw(full)
 
 
 def state_digest(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
@@ -512,15 +533,13 @@ def state_digest(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: 
     if rank != 0:
         return None
     assert gathered is not None
-    by_rank = [dict((n, (j, a)) for n, j, a in g) for g in gathered]
+    pieces: dict[str, list[tuple[Any, Any]]] = {}
+    for g in gathered:
+        for n, where, part in g:
+            pieces.setdefault(n, []).append((where, part))
 
     def full(name: str) -> Any:
-        join, first = by_rank[0][name]
-        if join == "cat0":
-            return b"".join(r[name][1] for r in by_rank)
-        if join.startswith("cat"):
-            return _raw(torch.cat([r[name][1] for r in by_rank], dim=int(join[3:])))
-        return first
+        return _joined(pieces[name])
 
     def add(crc: int, label: str, v: Any) -> int:
         crc = crc32c.crc32c(label.encode(), crc)
