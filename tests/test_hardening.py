@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -260,3 +261,44 @@ def test_the_simulated_hub_keeps_its_mac_when_a_node_namespace_is_removed() -> N
         assert mac(net.bridge) == first
     finally:
         net.teardown()
+
+
+def test_a_simulated_network_avoids_a_subnet_a_stale_bridge_still_holds(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bridge left by a run that was killed before its teardown keeps its address (DOWN, no
+    ports). A new network on the same subnet lost every connection to its hub: the host's
+    replies left through the stale bridge's route (a CI run of the in-process chaos slice, every
+    node's connect to the store timed out). The new network takes a free subnet; a node in it
+    reaches a listener on the hub."""
+    import socket
+    import subprocess
+    import uuid
+
+    from aegis.sim import netns
+    from aegis.sim.netns import NetnsNetwork, netns_available
+
+    why = netns_available()
+    if why is not None:
+        pytest.skip(f"network namespaces unavailable here: {why}")
+    fixed = uuid.UUID(int=0x3418700000000000000000000000)
+    monkeypatch.setattr(netns.uuid, "uuid4", lambda: fixed)
+    first = 100 + int(fixed.hex[:5], 16) % 150  # the subnet this id picks when it is free
+    stale = f"aegst{uuid.UUID(int=uuid.getnode()).hex[-5:]}"
+    subprocess.run(["ip", "link", "add", stale, "type", "bridge"], check=True)
+    net = None
+    try:
+        subprocess.run(["ip", "addr", "add", f"10.{first}.0.1/24", "dev", stale], check=True)
+        subprocess.run(["ip", "link", "set", stale, "up"], check=True)
+        net = NetnsNetwork().setup()
+        assert net.net != first, "the new network took the subnet the stale bridge holds"
+        node = net.add(0)
+        with socket.create_server((net.hub, 0)) as srv:
+            port = srv.getsockname()[1]
+            code = (f"import socket; socket.create_connection(({net.hub!r}, {port}), timeout=5)")
+            r = subprocess.run([*net.exec_prefix(0), sys.executable, "-c", code],
+                               capture_output=True, text=True, timeout=30)
+            assert r.returncode == 0, f"node {node.addr} could not reach the hub: {r.stderr}"
+    finally:
+        if net is not None:
+            net.teardown()
+        subprocess.run(["ip", "link", "del", stale], check=False)

@@ -52,10 +52,29 @@ class NodeNet:
     port: str  # the bridge-side veth
 
 
+def _nets_in_use() -> set[int]:
+    """The second octets of every ``10.x.*`` IPv4 address on an interface of this namespace."""
+    out = _ip("-4", "-o", "addr", "show", check=False).stdout
+    nets = set()
+    for word in out.split():
+        if word.startswith("10.") and word.count(".") == 3:
+            with contextlib.suppress(ValueError):
+                nets.add(int(word.split(".")[1]))
+    return nets
+
+
 class NetnsNetwork:
     def __init__(self) -> None:
         self.id = uuid.uuid4().hex[:5]
-        self.net = 100 + int(self.id, 16) % 150
+        # a subnet no interface here has: a bridge left by a run that did not tear down (killed)
+        # keeps its address, DOWN, and with its subnet taken again the host's replies to the
+        # new nodes may leave through the old bridge's route (a route over a link that is down
+        # is still used unless ignore_routes_with_linkdown is set): every node's connect to the
+        # store timed out (a CI run of the in-process chaos slice)
+        used = _nets_in_use()
+        start = int(self.id, 16) % 150
+        self.net = next((100 + (start + i) % 150 for i in range(150)
+                         if 100 + (start + i) % 150 not in used), 100 + start)
         self.hub = f"10.{self.net}.0.1"
         self.bridge = f"aeg{self.id}br"
         self.nodes: dict[int, NodeNet] = {}
