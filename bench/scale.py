@@ -22,6 +22,8 @@ sections the file holds):
 ``restore``     restore traffic after a world change: one rank per node, a node lost, the
                 survivors reshard; per rank the bytes fetched from other nodes over the bytes
                 its load read of them, 4 -> 32 ranks.
+``parity_rebuild`` a lost node's shard rebuilt from its parity group (XOR of 5, RS 4+2):
+                the bytes the rebuilding rank receives over the shard (issue 40), 5 -> 12 ranks.
 
 Adding a section: a function ``section_<name>(args) -> dict`` with the keys of
 :func:`section_membership`'s result (``series`` drive the plot and the projection, ``table`` and
@@ -59,8 +61,10 @@ from _common import ForeignCpu, md_table, plt, python, text_table  # noqa: E402
 from _machine import ROOT, describe, load1, machine  # noqa: E402
 from _scale_snapshot import (  # noqa: E402
     rebuild_metadata,
+    rebuild_parity_rebuild,
     rebuild_restore,
     section_metadata,
+    section_parity_rebuild,
     section_restore,
 )
 
@@ -815,6 +819,7 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "membership": section_membership,
     "metadata": section_metadata,
     "restore": section_restore,
+    "parity_rebuild": section_parity_rebuild,
 }
 
 
@@ -833,6 +838,7 @@ REBUILD: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "membership": _rebuild_membership,
     "metadata": rebuild_metadata,
     "restore": rebuild_restore,
+    "parity_rebuild": rebuild_parity_rebuild,
 }
 
 
@@ -1007,6 +1013,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--drivers", type=int, default=2,
                    help="threads per host process that beat its members in turn (0: each "
                         "member's own heartbeat thread, as in a job)")
+    p.add_argument("--rebuild-worlds", default="xor:5,10;rs:6,12",
+                   help="parity_rebuild: scheme:world sizes, ';'-separated")
+    p.add_argument("--rebuild-mb", type=float, default=16.0,
+                   help="parity_rebuild: training state (MB) per rank")
     p.add_argument("--meta-worlds", default="2,4,8,16,32",
                    help="metadata: world sizes (8 ranks per simulated node)")
     p.add_argument("--meta-layers", type=int, default=64,

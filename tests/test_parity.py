@@ -107,6 +107,9 @@ def test_xor_keeps_a_quarter_more_rebuilds_one_lost_node_bitwise_and_names_more_
     assert_bitwise_equal(saved[0]["full"], out[0]["full"])
     src = {s["shard"]: s for s in out[2]["sources"]}[2]
     assert src["source"] == "rebuild" and src["fetch_bytes"] > 0, src
+    # reduced along a chain of the survivors (issue 40): the rebuilder receives the rebuilt
+    # bytes once, not the four survivors' segments (4x)
+    assert src["fetch_bytes"] <= 1.5 * m.shard(2).size, (src, m.shard(2).size)
     # shrink to the four survivors (resharding): whoever reads rank 2's old shard rebuilds it
     lose(store_dir, "f")
     out = _restore_xor(4, store_dir, ["a", "b", "d", "e"], {})
@@ -189,7 +192,8 @@ def test_a_rebuild_on_a_node_without_the_step_reports_instead_of_raising(tmp_pat
     rec = m.shard(1)
     ranges = _xor_ranges(layout, 1, _runs(list(rec.chunks), {0}, size=rec.size))
     plan = (1, "new-node", {0}, g, layout, ranges, None)
-    nothing = [(pos, []) for pos, _ in ranges]  # no piece arrived
+    # nothing arrived: every piece's sum is zeros
+    nothing = [(pos, torch.zeros(parts[0][3] - parts[0][2], dtype=torch.uint8)) for pos, parts in ranges]
     out = _fold_rebuilds(store, m, [plan], {(1, "new-node"): (nothing, 0)}, lambda n, s: 0, 0, 0.0)
     assert len(out) == 1 and out[0][:3] == (1, REBUILD, "new-node") and out[0][3], out
     assert "crc32c mismatch" in out[0][3] and not store.partial_path(5, 1).exists()
@@ -225,6 +229,9 @@ def test_rs_3_plus_2_rebuilds_two_lost_nodes_bitwise_and_names_a_third(
     for r in (2, 4):
         src = {s["shard"]: s for s in out[r]["sources"]}[r]
         assert src["source"] == "rebuild" and src["fetch_bytes"] > 0, src
+        # each holder's share of the decode summed along a chain: the rebuilder receives one
+        # segment per segment rebuilt, not the d = 3 pieces the decode reads (3x)
+        assert src["fetch_bytes"] <= 1.5 * m.shard(r).size, (src, m.shard(r).size)
     # shrink to the three survivors: readers of ranks 2 and 4's old shards rebuild them
     lose(store_dir, "f")
     lose(store_dir, "g")

@@ -11,13 +11,20 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from aegis._dist import Group
 from aegis.errors import (
     CorruptShardError,
 )
-from aegis.snapshot.erasure import StripeLayout, rs_piece_size, rs_stripe_decode, xor_into
+from aegis.snapshot.erasure import (
+    StripeLayout,
+    rs_piece_size,
+    rs_stripe_decode,
+    rs_stripe_encode,
+    xor_into,
+)
 from aegis.snapshot.manifest import (
     Manifest,
 )
@@ -118,53 +125,108 @@ def _run_rebuilds(
         why = "; ".join(bad[g.members[i]] for i in sorted(used)) or (
             None if ranges else f"more than {layout.parity} member(s) of group {list(g.members)} lost")
         plans.append((s, dst, wanted, g, layout, ranges, why))
-    # 3. the pieces: sends and receives in one global order, so every pair of ranks matches
-    sends: list[Send] = []
-    recvs: list[Recv] = []
-    todo: dict[tuple[int, str], tuple[list[tuple[int, list[torch.Tensor]]], int]] = {}
-    for s, dst, _wanted, g, _layout, ranges, unusable in plans:
+    # 3. each piece reduced along a chain of the ranks that hold its parts, ending at the
+    # receiver: a link folds its parts into what it received and sends the sum on, so every
+    # rank receives at most one piece's bytes per piece it links (the receiver: the rebuilt
+    # bytes once, not N-1 contributions). XOR sums the parts; RS sums each holder's share of
+    # the decode (linear over GF(2^8): the decode of its own pieces with the others zero).
+    # One transport exchange per link: rounds = the longest chain (<= the group's members).
+    chains: list[tuple[int, str, int, list[tuple[int, list[_Part], list[int], dict[int, list[int]]]]]] = []
+    for k, (s, dst, _wanted, g, _layout, ranges, unusable) in enumerate(plans):
         if unusable:
             continue
         receiver = worker(dst, s)
-        pieces: list[tuple[int, list[torch.Tensor]]] = []
-        nbytes = 0
+        pieces: list[tuple[int, list[_Part], list[int], dict[int, list[int]]]] = []
         for pos, parts in ranges:
-            bufs: list[torch.Tensor] = []
-            for kind, i, lo, hi in parts:
-                r = g.members[i]
+            by_rank: dict[int, list[int]] = {}
+            for pi, (kind, i, lo, hi) in enumerate(parts):
                 if hi == lo:  # an empty segment (a short shard): zeros, from nobody
-                    if receiver == me:
-                        bufs.append(torch.zeros(0, dtype=torch.uint8))
                     continue
-                src = source(kind, r, dst)
-                if src == dst:
-                    if receiver == me:
-                        data = local(kind, r)
-                        bufs.append(data[lo:hi] if data is not None and data.numel() >= hi
-                                    else torch.zeros(hi - lo, dtype=torch.uint8))
+                src = source(kind, g.members[i], dst)
+                by_rank.setdefault(receiver if src == dst else worker(src, g.members[i]), []).append(pi)
+            order = [r for r in sorted(by_rank) if r != receiver] + [receiver]
+            pieces.append((pos, parts, order, by_rank))
+        chains.append((k, dst, receiver, pieces))
+    templates: dict[tuple[int, int], list[bytes]] = {}
+
+    def share(k: int, pos: int, parts: list[_Part], mine: list[int]) -> torch.Tensor:
+        """This rank's part of piece ``pos`` of plan ``k``: the XOR of its parts (RS: the decode
+        of its pieces, the stripe's other pieces zero). A file that cannot be read counts as
+        zeros and an error as a zero share: the receiver's crc32c checks reject the result."""
+        s, _dst, _w, g, layout, _r, _u = plans[k]
+        x = g.members.index(s)
+        size = parts[0][3] - parts[0][2] if red.scheme == "xor" else layout.segment_size
+        out = torch.zeros(size, dtype=torch.uint8)
+        try:
+            def part(n: int) -> torch.Tensor:
+                kind, i, lo, hi = parts[n]
+                data = local(kind, g.members[i])
+                return data[lo:hi] if data is not None and data.numel() >= hi else \
+                    torch.zeros(hi - lo, dtype=torch.uint8)
+
+            if red.scheme == "xor":
+                for n in mine:
+                    v = part(n)
+                    xor_into(out.numpy()[:v.numel()], v.numpy())  # type: ignore[arg-type]
+                return out
+            j = layout.stripe_of(x, pos // layout.segment_size)
+            if (id(layout), j) not in templates:  # the parity pieces of an all-zero stripe
+                templates[(id(layout), j)] = rs_stripe_encode(layout, j, [b""] * layout.data)
+            zero = templates[(id(layout), j)]
+            have: dict[int, Any] = {}
+            for n, (kind, i, _lo, _hi) in enumerate(parts):
+                key = layout.segment_for(i, j) if kind == "shard" else \
+                    layout.data + (i - j) % layout.members
+                have[key] = memoryview(part(n).numpy()) if n in mine else (  # type: ignore[arg-type]
+                    b"" if kind == "shard" else zero[key - layout.data])
+            want = layout.segment_for(x, j)
+            out.numpy()[:] = np.frombuffer(rs_stripe_decode(layout, j, have, [want])[want], dtype=np.uint8)
+        except Exception:  # noqa: BLE001 - a zero share: the receiver's checks name the shard
+            out.zero_()
+        return out
+
+    inbox: dict[tuple[int, int], torch.Tensor] = {}
+    received: dict[int, int] = {}
+    rounds = max((len(order) - 1 for _, _, _, ps in chains for _, _, order, _ in ps), default=0)
+    for t in range(rounds):
+        sends: list[Send] = []
+        recvs: list[Recv] = []
+        for k, _dst, receiver, ps in chains:
+            for pi, (pos, parts, order, by_rank) in enumerate(ps):
+                if len(order) <= t + 1:
                     continue
-                sender = worker(src, r)
-                if sender == me:
-                    data = local(kind, r)
-                    # a missing or short file still sends as many bytes (zeros): the
-                    # receiver's crc32c checks reject them instead of waiting out a timeout
-                    sends.append(Send(receiver, [data[lo:hi] if data is not None and data.numel() >= hi
-                                                 else torch.zeros(hi - lo, dtype=torch.uint8)]))
-                if receiver == me:
-                    buf = torch.empty(hi - lo, dtype=torch.uint8)
-                    recvs.append(Recv(sender, _fixed(buf)))
-                    bufs.append(buf)
-                    nbytes += hi - lo
-            if receiver == me:
-                pieces.append((pos, bufs))
-        if receiver == me:
-            todo[(s, dst)] = (pieces, nbytes)
-    try:
+                a, b = order[t], order[t + 1]
+                if a == me:
+                    acc = share(k, pos, parts, by_rank.get(me, []))
+                    if t > 0:
+                        got = inbox.pop((k, pi))
+                        xor_into(acc.numpy(), got.numpy())  # type: ignore[arg-type]
+                    sends.append(Send(b, [acc]))
+                if b == me:
+                    buf = torch.empty(parts[0][3] - parts[0][2] if red.scheme == "xor"
+                                      else plans[k][4].segment_size, dtype=torch.uint8)
+                    recvs.append(Recv(a, _fixed(buf)))
+                    inbox[(k, pi)] = buf
+                    if b == receiver:
+                        received[k] = received.get(k, 0) + buf.numel()
         transport.exchange(sends, recvs)
+    # 4. the receiver: its own share folded into the chain's sum
+    todo: dict[tuple[int, str], tuple[list[tuple[int, torch.Tensor]], int]] = {}
+    for k, dst, receiver, ps in chains:
+        if receiver != me:
+            continue
+        sums = []
+        for pi, (pos, parts, order, by_rank) in enumerate(ps):
+            acc = share(k, pos, parts, by_rank.get(me, []))
+            if len(order) > 1:
+                xor_into(acc.numpy(), inbox.pop((k, pi)).numpy())  # type: ignore[arg-type]
+            sums.append((pos, acc))
+        todo[(plans[k][0], dst)] = (sums, received.get(k, 0))
+    try:
         secs = time.perf_counter() - t0
         return _fold_rebuilds(store, manifest, plans, todo, worker, me, secs)
     finally:
-        sends.clear()
+        inbox.clear()
         todo.clear()
         files.clear()
         for m in opened:
@@ -223,17 +285,17 @@ def _rs_ranges(layout: StripeLayout, x: int, runs: list[tuple[int, int]], lost: 
 
 
 def _fold_rebuilds(store: NodeStore, manifest: Manifest, plans: list[Any],
-                   todo: dict[tuple[int, str], tuple[list[tuple[int, list[torch.Tensor]]], int]],
+                   todo: dict[tuple[int, str], tuple[list[tuple[int, torch.Tensor]], int]],
                    worker: Callable[[str, int], int], me: int, secs: float
                    ) -> list[tuple[int, str, str, str | None, int, float, bool]]:
-    """The receiving side of :func:`_run_rebuilds`: XOR the pieces (or RS-decode each
-    segment) into a sparse partial file and check every rebuilt chunk and the index against
-    the manifest."""
+    """The receiving side of :func:`_run_rebuilds`: the rebuilt pieces (XOR: the bytes of a
+    run; RS: a whole segment, cut at the shard's end) written into a sparse partial file, and
+    every rebuilt chunk and the index checked against the manifest."""
     step = manifest.step
     red = manifest.redundancy
     assert red is not None
     results: list[tuple[int, str, str, str | None, int, float, bool]] = []
-    for s, dst, wanted, g, layout, ranges, unusable in plans:
+    for s, dst, wanted, g, _layout, _ranges, unusable in plans:
         if unusable:
             if worker(dst, s) == me:
                 results.append((s, REBUILD, dst, "parity unusable: " + unusable, 0, 0.0, True))
@@ -253,20 +315,9 @@ def _fold_rebuilds(store: NodeStore, manifest: Manifest, plans: list[Any],
             slot = Slot(path)
             slot.ensure(rec.size, prefault=False)
             with slot.memory as mem:
-                x = g.members.index(s)
-                for (pos, bufs), (_, parts) in zip(pieces, ranges, strict=True):
-                    views = [memoryview(b.numpy()) for b in bufs]  # type: ignore[arg-type]
-                    if red.scheme == "xor":
-                        for v in views:
-                            xor_into(mem[pos:pos + len(v)], v)  # type: ignore[arg-type]
-                        continue
-                    j = layout.stripe_of(x, pos // layout.segment_size)
-                    have = {(layout.segment_for(i, j) if kind == "shard" else layout.data + (i - j) % layout.members): v
-                            for (kind, i, _, _), v in zip(parts, views, strict=True)}
-                    want = layout.segment_for(x, j)
-                    seg = rs_stripe_decode(layout, j, have, [want])[want]
-                    n = min(len(seg), rec.size - pos)
-                    mem[pos:pos + n] = seg[:n]
+                for pos, piece in pieces:
+                    n = min(piece.numel(), rec.size - pos)
+                    mem[pos:pos + n] = memoryview(piece.numpy())[:n]  # type: ignore[arg-type]
                 _check_partial(mem, rec, step, wanted,
                                f"{code} rebuild from parity group {list(g.members)}")
         except CorruptShardError as e:
