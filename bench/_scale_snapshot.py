@@ -425,7 +425,7 @@ def parity_rebuild_result(rows: list[dict[str, Any]], params: dict[str, Any]) ->
         "middle node's store deleted, a replacement node restores the same world and rebuilds "
         "that rank's shard (issue 40): each piece is reduced along a chain of the survivors "
         "holding its parts, so the rebuilder receives the rebuilt bytes once; before, it "
-        "gathered every survivor's piece (d = N-k times the bytes, the last column). Bound: 1.5x.",
+        "gathered every survivor's piece (d = N-k times the bytes: the 'gather (before)' column). Bound: 1.5x.",
         _OVERSUBSCRIBED]
     return {"title": "Parity rebuild traffic", "params": params, "rows": rows, "series": series,
             "table": {"headers": headers, "rows": table}, "notes": notes}

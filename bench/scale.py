@@ -1016,7 +1016,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rebuild-worlds", default="xor:5,10;rs:6,12",
                    help="parity_rebuild: scheme:world sizes, ';'-separated")
     p.add_argument("--rebuild-mb", type=float, default=16.0,
-                   help="parity_rebuild: training state (MB) per rank")
+                   help="parity_rebuild: training state (MB), sharded over the ranks")
     p.add_argument("--meta-worlds", default="2,4,8,16,32",
                    help="metadata: world sizes (8 ranks per simulated node)")
     p.add_argument("--meta-layers", type=int, default=64,

@@ -20,7 +20,8 @@ multi-rank nodes whose ranks share the node store; ``6x1``: room for Reed-Solomo
 * ``s3_outage``   the S3 endpoint down (connections refused and reset) or hung (the server
                   SIGSTOPped), then back;
 * ``store_full``  a node's tmpfs node store filled to the last byte, then freed;
-* ``double_kill`` a second node lost while the job recovers from the first loss;
+* ``double_kill`` a second node lost while the job recovers from the first loss (injected once
+                  the durable tier holds a step: both copies of a shard may go with the two);
 * ``worker_kill`` SIGKILL of one worker process of a node (a GPU fallen off the bus, an OOM, a
                   segfault); the agent, the node's other ranks and its store stay. Not in the
                   default mix (``KINDS``, which ``make chaos`` and ``make chaos-inprocess`` run).
@@ -487,6 +488,12 @@ class Campaign:
         node = rec.node
         other = self.rng.choice([n for n in self._participants() if n != node])
         survivors = [n for n in self._participants() if n not in (node, other)]
+        # Two nodes lost may take both copies of some shards: only the durable tier then has
+        # them. Before its first commit the recovery rightly finds "committed snapshots exist
+        # but none is complete" (a schedule drawn too early, not a finding): wait for one.
+        deadline = time.monotonic() + 120
+        while self._durable_max < 0 and time.monotonic() < deadline:
+            time.sleep(0.3)
         old = {p for n in survivors + [other] for p in cl.nodes[n].workers()}
         rec.t_start = cl.kill_node(node)
         self._add_node()
