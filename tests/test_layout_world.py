@@ -120,6 +120,41 @@ def test_a_mesh_from_world_takes_the_rounds_collective_timeout() -> None:
     assert isinstance(out[0]["stuck"], float) and out[0]["stuck"] < 20, out[0]
 
 
+def _published(rank: int, world: int, members: list[str]) -> dict[str, Any]:
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    from aegis.training.inprocess import _sockets
+    from aegis.training.inprocess.abandon import GlooAbandon
+    from aegis.training.inprocess.round import Round
+
+    ab = GlooAbandon()
+    ab.begin(_get_default_store(), 7, members[rank])  # the round's sockets: opened from here on
+    Round.abandon = ab
+    try:
+        mesh = World(rank=rank, size=world, round=7, node="", members=members).mesh(
+            "cpu", dp_replicate=-1, dp_shard=2)
+        info = ab._info(members[rank])
+        mine = _sockets.opened_since(ab.baseline)
+        dist.barrier()
+        return {"info": info, "now": mine, "dims": mesh.mesh_dim_names}
+    finally:
+        Round.abandon = None
+
+
+def test_a_mesh_from_world_publishes_its_groups_sockets_at_once() -> None:
+    """A process frozen after building its mesh and before its Manager started (which
+    publishes the round's sockets) held mesh connections no fence knew of: its peers could not
+    cut them, nor could it, thawed. ``World.mesh`` publishes the new groups' sockets itself."""
+    members = _members(("node-0", [0, 1]), ("node-1", [0, 1]))
+    out = run_ranks(4, _published, members, timeout=90)
+    for o in out:
+        assert o["info"] is not None, "nothing published after the mesh was built"
+        # both groups' listeners (dp_replicate, dp_shard) and their connections
+        assert len(o["info"]["listen"]) >= 2 and o["info"]["local"], o
+        assert set(o["now"]["listen"]) <= set(o["info"]["listen"]), o
+
+
 @pytest.mark.quick
 def test_a_within_node_dimension_is_refused_on_a_partial_node_before_any_group() -> None:
     members = _members(("node-0", [0, 1]), ("node-1", [0]), ("node-2", [0, 1]))

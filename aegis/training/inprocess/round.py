@@ -129,8 +129,14 @@ class World:
             ConfigError: the dimensions do not divide the world, or a ``within_node``
                 dimension would span two nodes of this round; nothing was created.
         """
-        return build_mesh(device_type, self.layout, self.size, dims, within_node,
+        mesh = build_mesh(device_type, self.layout, self.size, dims, within_node,
                           timeout=Round.collective_timeout)
+        if Round.abandon is not None:
+            # its groups' sockets, published now (the Manager publishes again with its own): a
+            # process frozen between building the mesh and starting its Manager is fenced off
+            # those connections too, and a thawed one cuts them itself
+            Round.abandon.publish()
+        return mesh
 
 
 class Round:
