@@ -1,5 +1,6 @@
 """Recovery, step 3 for a shard no node holds: rebuilt from its parity group's survivors (XOR,
-Reed-Solomon), only the stripes of the byte ranges the restore reads, verified on arrival.
+Reed-Solomon), only the stripes of the byte ranges the restore reads, reduced along a chain of
+the survivors (issue 40), verified on arrival.
 """
 
 from __future__ import annotations
@@ -55,14 +56,18 @@ def _run_rebuilds(
 
     For each job (shard ``s`` for node ``dst``, the chunks its DCP plan reads), only what
     covers the byte runs of those chunks plus the shard's index is rebuilt. XOR: each run is
-    cut at the group's segment boundaries, and for each piece the receiving rank gets the
-    parity of the stripe the piece belongs to and the same bytes of every surviving
-    contributor (read locally when its node holds them) and XORs them into a sparse partial
-    file. RS: each segment the runs touch is decoded from d surviving pieces of its stripe
-    (the other contributors' segments first, then parity pieces). Every rebuilt chunk's
-    crc32c and the index are then checked against the manifest before the file may be
-    loaded. The parity files used are first checked against their recorded crc32c by the
-    ranks that hold them."""
+    cut at the group's segment boundaries; a piece is the XOR of the parity of its stripe and
+    the same bytes of every surviving contributor. RS: each segment the runs touch is decoded
+    from d surviving pieces of its stripe (the other contributors' segments first, then
+    parity pieces). Each piece is reduced along a chain of the ranks that hold its parts
+    (read from their own node stores), ending at the receiving rank: a link adds its share
+    (XOR: its parts; RS: the decode of its pieces alone) to the sum it received and sends it
+    on, so the receiver gets the rebuilt bytes once, not d pieces. The receiver writes the sums
+    into a sparse partial file; every rebuilt chunk's crc32c and the index are then checked
+    against the manifest before the file may be loaded. The parity files used are first
+    checked against their recorded crc32c by the ranks that hold them. Per rebuild: inbound
+    about 1x the rebuilt bytes on the receiver and on each link, rounds = the longest chain
+    (at most the group's members), independent of the world size."""
     step = manifest.step
     red = manifest.redundancy
     assert red is not None
