@@ -22,6 +22,8 @@ sections the file holds):
 ``restore``     restore traffic after a world change: one rank per node, a node lost, the
                 survivors reshard; per rank the bytes fetched from other nodes over the bytes
                 its load read of them, 4 -> 32 ranks.
+``relay``       the membership section's harness with every member beating through its node's
+                heartbeat relay (issue 40): store requests and CPU, detection, agreement.
 ``parity_rebuild`` a lost node's shard rebuilt from its parity group (XOR of 5, RS 4+2):
                 the bytes the rebuilding rank receives over the shard (issue 40), 5 -> 12 ranks.
 
@@ -45,6 +47,7 @@ import math
 import multiprocessing as mp
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -123,10 +126,15 @@ class _Member:
         self.hb_store = client()
         self.store = client()
         # declarations armed once every member has the first round (see _Run.run)
+        relay = None
+        if p.get("relay_root"):  # the node heartbeat relay (issue 40): a node's members share one
+            from aegis.training.inprocess.relay import NodeRelay
+
+            relay = NodeRelay(p["relay_root"], uid.split("/")[0], uid, stale_s=2.5 * p["interval"])
         self.hb = Heartbeat(uid, p["interval"], timedelta(seconds=p["form_timeout"]),
                             dead_after_s=None, fence=self._fence,
                             fenceable=self._fenceable, store=self.hb_store,
-                            start=not p["drivers"])
+                            start=not p["drivers"], relay=relay)
         self.m = Membership(self.store, uid, self.hb, dead_after_s=p["dead_after"],
                             form_timeout_s=p["form_timeout"], min_world=1)
         self.rounds: list[dict[str, Any]] = []
@@ -331,14 +339,17 @@ def _per_node(world: int) -> int:
 class _Run:
     """One world size: a store server, host processes, the phases, the numbers."""
 
-    def __init__(self, world: int, args: argparse.Namespace, ctx: Any, baseline: str | None) -> None:
+    def __init__(self, world: int, args: argparse.Namespace, ctx: Any, baseline: str | None,
+                 relay: bool = False) -> None:
         self.world, self.args, self.ctx, self.baseline = world, args, ctx, baseline
+        self.relay_root = tempfile.mkdtemp(prefix="aegis-scale-relay-", dir="/dev/shm") if relay else None
         self.per = _per_node(world)
         self.nodes = world // self.per
         self.uids = [f"node-{n:05d}/{lr}/{n * self.per + lr + 1}" for n in range(self.nodes)
                      for lr in range(self.per)]
         self.params = {"interval": args.interval, "dead_after": args.dead_after,
-                       "form_timeout": args.form_timeout, "drivers": args.drivers}
+                       "form_timeout": args.form_timeout, "drivers": args.drivers,
+                       "relay_root": self.relay_root}
         self.kill_node, self.stop_node = 1, self.nodes // 2 + 1
         groups: list[list[str]] = [[] for _ in range(max(1, min(args.hosts, self.nodes - 2)))]
         self.victims: dict[str, list[str]] = {}
@@ -437,7 +448,7 @@ class _Run:
         out: dict[str, Any] = {"world": self.world, "per_node": self.per, "nodes": self.nodes,
                                "hosts": len(self.host_uids), "load_start": load1(),
                                "protocol": f"before issue 24 ({self.baseline})" if self.baseline
-                               else "issue 24"}
+                               else "node relay (issue 40)" if self.relay_root else "issue 24"}
         foreign = ForeignCpu()
         mark = foreign.mark()
         try:
@@ -468,6 +479,8 @@ class _Run:
         finally:
             with contextlib.suppress(Exception):
                 self._stop()
+            if self.relay_root:
+                shutil.rmtree(self.relay_root, ignore_errors=True)
             out["foreign"] = foreign.since(mark)
             foreign.close()
             out["load_end"] = load1()
@@ -630,6 +643,30 @@ def section_membership(args: argparse.Namespace) -> dict[str, Any]:
     return _membership_result(args, runs, base, stopped)
 
 
+def section_relay(args: argparse.Namespace) -> dict[str, Any]:
+    """The membership section's harness with every member beating through its node's relay
+    (issue 40, ``aegis/training/inprocess/relay.py``): the same phases and numbers."""
+    os.environ.update(CHILD_ENV)
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch.distributed", "aegis.training.inprocess.membership"])
+    runs: list[dict[str, Any]] = []
+    stopped = None
+    for w in [int(x) for x in args.relay_sizes.split(",")]:
+        print(f"relay: {w} members ...", flush=True)
+        res = _Run(w, args, ctx, None, relay=True).run()
+        runs.append(res)
+        _print_run(res)
+        why = _limited(res)
+        if why:
+            stopped = f"stopped after {w} members: {why}"
+            print(stopped, flush=True)
+            break
+    out = _membership_result(args, runs, [], stopped, label="node relay (issue 40)")
+    out["title"] = "Membership with the node heartbeat relay (issue 40)"
+    out["series"] = [x for x in out["series"] if not str(x["label"]).startswith("before")]
+    return out
+
+
 def _form_total(k: dict[str, Any]) -> float:
     """Requests all survivors made to form the round (counted; runs recorded before the total
     was: the members' mean times their number, plus the proposer's)."""
@@ -663,7 +700,8 @@ def _ok(r: dict[str, Any]) -> bool:
 
 
 def _membership_result(args: argparse.Namespace, runs: list[dict[str, Any]],
-                       base: list[dict[str, Any]], stopped: str | None) -> dict[str, Any]:
+                       base: list[dict[str, Any]], stopped: str | None,
+                       label: str = "issue 24") -> dict[str, Any]:
     good = [r for r in runs if _ok(r) and r["steady"]["kept_up"]]
     faults = [r for r in good if "faults" in r and "detect_s" in r["faults"].get("stop", {})]
     clean = [not _limited(r) for r in faults]
@@ -673,21 +711,21 @@ def _membership_result(args: argparse.Namespace, runs: list[dict[str, Any]],
         return [r["world"] for r in rs]
 
     series = [
-        {"panel": "store requests per member per second (steady)", "label": "issue 24",
+        {"panel": "store requests per member per second (steady)", "label": label,
          "x": xs(good), "y": [r["steady"]["requests_per_member_s"] for r in good],
          "unit": "req/s", "project": True, "per": "per process"},
         {"panel": "store requests per member per second (steady)",
          "label": f"before ({args.baseline_rev})", "x": xs(bgood),
          "y": [r["steady"]["requests_per_member_s"] for r in bgood], "unit": "req/s",
          "project": True, "per": "per process", "limited": [not r["steady"]["kept_up"] for r in bgood]},
-        {"panel": "store requests per second, all members (steady)", "label": "issue 24",
+        {"panel": "store requests per second, all members (steady)", "label": label,
          "x": xs(good), "y": [r["steady"]["total_requests_s"] for r in good], "unit": "req/s",
          "project": True, "per": "total"},
         {"panel": "store requests per second, all members (steady)",
          "label": f"before ({args.baseline_rev})", "x": xs(bgood),
          "y": [r["steady"]["total_requests_s"] for r in bgood], "unit": "req/s", "project": True,
          "per": "total", "limited": [not r["steady"]["kept_up"] for r in bgood]},
-        {"panel": "store server CPU (steady, cores)", "label": "issue 24", "x": xs(good),
+        {"panel": "store server CPU (steady, cores)", "label": label, "x": xs(good),
          "y": [r["steady"]["store_cpu"] for r in good], "unit": "cores", "project": True,
          "per": "total"},
         {"panel": "fault -> every survivor fenced it (s)", "label": "SIGKILL of a node",
@@ -718,7 +756,7 @@ def _membership_result(args: argparse.Namespace, runs: list[dict[str, Any]],
          "x": xs(faults), "limited": [not c for c in clean],
          "y": [max(r["faults"]["kill"]["form_requests"]["proposer"] or [0]) for r in faults],
          "unit": "requests", "project": True, "per": "one process per failure"},
-        {"panel": "first round: every member has the list (s)", "label": "issue 24",
+        {"panel": "first round: every member has the list (s)", "label": label,
          "x": xs(good), "y": [r["first_round_s"] for r in good], "unit": "s", "project": True,
          "per": "once per job"},
     ]
@@ -820,6 +858,7 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "metadata": section_metadata,
     "restore": section_restore,
     "parity_rebuild": section_parity_rebuild,
+    "relay": section_relay,
 }
 
 
@@ -833,12 +872,26 @@ def _rebuild_membership(sec: dict[str, Any]) -> dict[str, Any]:
     return _membership_result(args, sec["runs"], sec["baseline"], stopped)
 
 
+def _rebuild_relay(sec: dict[str, Any]) -> dict[str, Any]:
+    p = sec["params"]
+    args = argparse.Namespace(interval=p["interval_s"], dead_after=p["dead_after_s"],
+                              steady=p["steady_s"], hosts=p["hosts"], drivers=p["drivers"],
+                              baseline_rev=p["baseline_rev"])
+    why = next(((r["world"], w) for r in sec["runs"] if (w := _limited(r))), None)
+    stopped = f"stopped after {why[0]} members: {why[1]}" if why else None
+    out = _membership_result(args, sec["runs"], [], stopped, label="node relay (issue 40)")
+    out["title"] = "Membership with the node heartbeat relay (issue 40)"
+    out["series"] = [x for x in out["series"] if not str(x["label"]).startswith("before")]
+    return out
+
+
 # sections whose derived parts (series, table, notes) can be rebuilt from their stored runs
 REBUILD: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "membership": _rebuild_membership,
     "metadata": rebuild_metadata,
     "restore": rebuild_restore,
     "parity_rebuild": rebuild_parity_rebuild,
+    "relay": _rebuild_relay,
 }
 
 
@@ -1013,6 +1066,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--drivers", type=int, default=2,
                    help="threads per host process that beat its members in turn (0: each "
                         "member's own heartbeat thread, as in a job)")
+    p.add_argument("--relay-sizes", default="8,64,256,1024,2048",
+                   help="relay: member counts, every member beating through its node's relay")
     p.add_argument("--rebuild-worlds", default="xor:5,10;rs:6,12",
                    help="parity_rebuild: scheme:world sizes, ';'-separated")
     p.add_argument("--rebuild-mb", type=float, default=16.0,

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from aegis.training.inprocess.relay import NodeRelay
 from aegis.training.inprocess.storeclient import StoreRestarted
 
 __all__ = ["Heartbeat", "CountingStore", "REQUESTS", "ring", "successors", "BLIND_GRACE_S",
@@ -148,8 +149,13 @@ class Heartbeat:
                  watchers: int = 2, store: Any = None, start: bool = True,
                  on_restart: Callable[[Any], None] | None = None,
                  also: tuple[str, ...] = (),
-                 creating: Callable[[], bool] | None = None) -> None:
+                 creating: Callable[[], bool] | None = None,
+                 relay: NodeRelay | None = None) -> None:
         self.uid = uid
+        # the node's relay (issue 40): beats through it while it answers, else directly
+        self._relay = relay
+        self._count = 0  # this process's beats posted to the relay
+        self.relayed_ticks = 0
         self.key = _hb(uid)
         self.interval_s = interval_s
         self.dead_after_s = dead_after_s
@@ -289,6 +295,84 @@ class Heartbeat:
                 out.update(u for u in store.get(log).decode().splitlines() if u)
         return out
 
+    # -- the node's relay ---------------------------------------------------------------------
+
+    def _relayed(self, targets: list[str], keys: list[str], log: str | None
+                 ) -> tuple[list[str], list[str], list[str], list[Any], float] | None:
+        """This beat through the node's relay (:mod:`.relay`): post the counter and the keys,
+        relay for the node when this process holds the lock, take the values from the relay's
+        output. Returns (members read, their keys, the ``also`` keys, the values of those, the
+        ``also`` counters and the log, when the relay read them), or None when the relay's
+        output is stale, failed or has not seen this process's recent beats: then this beat
+        goes to the store directly."""
+        relay = self._relay
+        assert relay is not None
+        self._count += 1
+        also = list(self._also)
+        try:
+            relay.post(self._count, keys, also, log)
+            if relay.lead():
+                self._relay_batch(relay)
+            out = relay.result()
+        except OSError:  # e.g. a full tmpfs
+            return None
+        if out is None or int(out.get("seen", {}).get(self.uid, -1)) < self._count - 2:
+            return None
+        vals: dict[str, str | None] = out.get("values", {})
+        # every key this process reads must have been looked up by the relay (a value, or None:
+        # no such counter), else it would take a member it watches for one that never beat
+        if any(k not in vals for k in keys) or any(vals.get(a) is None for a in also) or (
+                log is not None and vals.get(log) is None):
+            return None
+        read = [u for u, k in zip(targets, keys, strict=True) if vals[k] is not None]
+        values: list[Any] = [str(vals[_hb(u)]).encode() for u in read]
+        values += [str(vals[a]).encode() for a in also]
+        if log is not None:
+            values.append(str(vals[log]).encode())
+        self.relayed_ticks += 1
+        return read, [_hb(u) for u in read], also, values, float(out["t"])
+
+    def _relay_batch(self, relay: NodeRelay) -> None:
+        """The relay's beat for the node: every fresh post's counter written with one
+        ``multi_set``, the union of the keys they read with one ``multi_get`` (new keys checked
+        first, logs created and ``also`` counters seeded once, as a direct beat does), the
+        values written for the node's processes; a failure is written too (they beat directly)."""
+        posts = relay.posts()
+        out: dict[str, Any] = {"t": time.monotonic(), "ok": False}
+        try:
+            if posts:
+                self._store.multi_set([_hb(str(p["uid"])) for p in posts],
+                                      [str(int(p["counter"])) for p in posts])
+            keys = list(dict.fromkeys(str(k) for p in posts for k in p.get("keys", [])))
+            also = list(dict.fromkeys(str(a) for p in posts for a in p.get("also", [])))
+            logs = list(dict.fromkeys(str(p["log"]) for p in posts if p.get("log")))
+            for lg in logs:
+                if lg not in self._present:
+                    self._store.append(lg, b"")
+                    self._present.add(lg)
+            new = [k for k in keys if k not in self._present]
+            if new:
+                if self._store.check(new):
+                    self._present.update(new)
+                else:
+                    self._present.update(k for k in new if self._store.check([k]))
+            for a in also:
+                if a not in self._present:
+                    self._store.add(a, 0)
+                    self._present.add(a)
+            read = [k for k in keys if k in self._present] + also + logs
+            got = self._store.multi_get(read) if read else []
+            values: dict[str, str | None] = {k: None for k in keys}  # looked up, no counter
+            values.update((k, v.decode("utf-8", "replace")) for k, v in zip(read, got, strict=True))
+            out = {"t": time.monotonic(), "ok": True,
+                   "seen": {str(p["uid"]): int(p["counter"]) for p in posts}, "values": values}
+        except StoreRestarted:
+            with self._lock:
+                self._present = set()  # the processes' own beats find the restart and re-seed
+        except Exception:  # noqa: BLE001 - written as failed: the node's processes beat directly
+            pass
+        relay.publish(out)
+
     # -- one beat -----------------------------------------------------------------------------
 
     def tick(self) -> bool:
@@ -298,47 +382,52 @@ class Heartbeat:
             epoch, ring_, log, targets, keys = (self._epoch, self._ring, self._log, self._targets,
                                                 self._keys)
         began = time.monotonic()
-        try:
-            self._store.add(self.key, 1)
-            if log is not None and log not in self._present:
-                self._store.append(log, b"")  # creates the log, adds nothing (once per round)
-                self._present.add(log)
-            new = [k for k in keys if k not in self._present]
-            if new:  # once per newly watched member; a member that never beat has no counter
-                if self._store.check(new):
-                    self._present.update(new)
-                else:
-                    self._present.update(k for k in new if self._store.check([k]))
-            if all(k in self._present for k in keys):
-                read, rkeys = targets, keys
-            else:  # a member that never beat: not read (silent since it was watched)
-                read = [u for u, k in zip(targets, keys, strict=True) if k in self._present]
-                rkeys = [_hb(u) for u in read]
-            also = list(self._also)
-            for k in also:
-                if k not in self._present:
-                    self._store.add(k, 0)  # once (and after a store restart)
-                    self._present.add(k)
-            tail = [log] if log else []
-            values = self._store.multi_get(rkeys + also + tail) if rkeys or also or tail else []
-        except StoreRestarted:
-            # the store lost its keys: none of them is known to exist any more (a multi_get of
-            # a missing key would wait for the client's timeout); what this process knows of
-            # its round is written back, the next beat goes on
-            self.failed_ticks += 1
-            self.store_restarts += 1
-            self._blind = True
-            with self._lock:
-                self._present = set()
-            if self._on_restart is not None:
-                with contextlib.suppress(Exception):
-                    self._on_restart(self._store)
-            return False
-        except Exception:  # noqa: BLE001 - a store hiccup is seen by the peers, not here
-            self.failed_ticks += 1
-            self._blind = True
-            return False
-        now = time.monotonic()
+        via = self._relayed(targets, keys, log) if self._relay is not None else None
+        looked: float | None = None
+        if via is not None:  # the node's relay read them this beat or the one before
+            read, rkeys, also, values, looked = via
+        else:
+            try:
+                self._store.add(self.key, 1)
+                if log is not None and log not in self._present:
+                    self._store.append(log, b"")  # creates the log, adds nothing (once per round)
+                    self._present.add(log)
+                new = [k for k in keys if k not in self._present]
+                if new:  # once per newly watched member; a member that never beat has no counter
+                    if self._store.check(new):
+                        self._present.update(new)
+                    else:
+                        self._present.update(k for k in new if self._store.check([k]))
+                if all(k in self._present for k in keys):
+                    read, rkeys = targets, keys
+                else:  # a member that never beat: not read (silent since it was watched)
+                    read = [u for u, k in zip(targets, keys, strict=True) if k in self._present]
+                    rkeys = [_hb(u) for u in read]
+                also = list(self._also)
+                for k in also:
+                    if k not in self._present:
+                        self._store.add(k, 0)  # once (and after a store restart)
+                        self._present.add(k)
+                tail = [log] if log else []
+                values = self._store.multi_get(rkeys + also + tail) if rkeys or also or tail else []
+            except StoreRestarted:
+                # the store lost its keys: none of them is known to exist any more (a multi_get of
+                # a missing key would wait for the client's timeout); what this process knows of
+                # its round is written back, the next beat goes on
+                self.failed_ticks += 1
+                self.store_restarts += 1
+                self._blind = True
+                with self._lock:
+                    self._present = set()
+                if self._on_restart is not None:
+                    with contextlib.suppress(Exception):
+                        self._on_restart(self._store)
+                return False
+            except Exception:  # noqa: BLE001 - a store hiccup is seen by the peers, not here
+                self.failed_ticks += 1
+                self._blind = True
+                return False
+        now = time.monotonic() if looked is None else looked
         # A look after the store was away (this thread's requests failed, or this beat's hung
         # on a store that stopped answering: BLIND_BEAT_S) proves nothing about the time in between: the
         # watched members could not beat either. Every one counts as just seen, dead only
@@ -476,3 +565,5 @@ class Heartbeat:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        if self._relay is not None:
+            self._relay.close()

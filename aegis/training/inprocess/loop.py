@@ -37,6 +37,7 @@ from aegis.training.inprocess.membership import (
     store_address,
     store_from_env,
 )
+from aegis.training.inprocess.relay import NodeRelay, relay_root
 from aegis.training.inprocess.round import (
     RecoveryGaveUp,
     Regroup,
@@ -337,6 +338,7 @@ def run_in_process(
     store_outage: timedelta = timedelta(seconds=60),
     backend: str = "gloo",
     on_round: Callable[[World], None] | None = None,
+    node_relay: bool | None = None,
 ) -> Any:
     """Run ``train(world)`` on every process of the job, and again on the survivors, in the same
     processes, whenever a peer is lost.
@@ -392,6 +394,10 @@ def run_in_process(
         backend: ``"gloo"`` (CPU, or CUDA tensors over gloo), ``"nccl"`` or
             ``"cpu:gloo,cuda:nccl"`` (:func:`check_nccl_env` names the NCCL environment it checks).
         on_round: called with each round's :class:`World` before ``train`` (tests, logging).
+        node_relay: beat through the node's heartbeat relay (:mod:`.relay`, issue 40): the
+            processes of a node share one process's 2 store requests per beat, so the store's
+            load grows with the nodes, not the ranks. Default: ``$AEGIS_NODE_RELAY`` (``1`` on),
+            else off.
 
     Returns:
         What the last call of ``train`` returned.
@@ -444,11 +450,17 @@ def run_in_process(
     # the rendezvous of each round's groups goes through a client of its own whose waits end at
     # create_timeout (a member lost while the groups are created, issue 25), made per round
     pg_store: Any = None
+    if node_relay is None:
+        node_relay = os.environ.get("AEGIS_NODE_RELAY", "0") not in ("", "0", "false", "no")
+    relay = None
+    if node_relay:
+        host, port = store_address()
+        relay = NodeRelay(relay_root(f"{host}:{port}"), node, uid, stale_s=2.5 * heartbeat_s)
     hb = Heartbeat(uid, heartbeat_s, form_timeout, dead_after_s=dead_after_s, fence=ab.fence,
                    fenceable=lambda u: (in_round() or Round.creating) and u in Round.members,
                    creating=lambda: Round.creating, store=hb_store,
                    on_restart=lambda st: reseed(st, Round.r, list(Round.members), Round.admitted,
-                                                uid), also=(JOIN_COUNT,))
+                                                uid), also=(JOIN_COUNT,), relay=relay)
     Round.joiners = lambda: hb.readings.get(JOIN_COUNT, 0)
     Round.max_world = max_world
     Round.per_node = per_node
