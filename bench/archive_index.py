@@ -64,6 +64,8 @@ def _command(path: Path) -> str:
         cmd += f" --spares {c['spares']}"
     if c.get("mesh", "fsdp") != "fsdp":
         cmd += f" --mesh {c['mesh']}"
+    if c.get("node_relay"):
+        cmd += " --node-relay"
     return f"`{cmd}`"
 
 

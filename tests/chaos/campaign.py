@@ -126,6 +126,8 @@ class Config:
     # the trainer's --mesh: "fsdp" (1-D), "hsdp" or "tp" (2-D, the inner dimension within a
     # node); 2-D in place runs rounds of whole nodes, checked in every round
     mesh: str = "fsdp"
+    # --in-process: beat through each node's heartbeat relay (AEGIS_NODE_RELAY, issue 40)
+    node_relay: bool = False
 
     @property
     def world(self) -> int:
@@ -1107,6 +1109,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="write the summary JSON here")
     p.add_argument("--in-process", action="store_true",
                    help="the trainer recovers in place (aegis.run_in_process)")
+    p.add_argument("--node-relay", action="store_true",
+                   help="--in-process: every process beats through its node's heartbeat relay "
+                        "(AEGIS_NODE_RELAY=1, issue 40)")
     p.add_argument("--redundancy", choices=("replica", "dp", "xor", "rs"), default="replica",
                    help="memory redundancy: one replica per shard (dp: built from the data-parallel "
                         "copies, with --mesh hsdp), or XOR / Reed-Solomon (2 parity) parity over "
@@ -1137,9 +1142,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--spares N (N >= 0) needs --in-process: spares wait in run_in_process")
     if a.mesh != "fsdp" and nproc < 2:
         p.error(f"--mesh {a.mesh}: the inner dimension is a node's ranks; give --topology Nx2 or more")
+    if a.node_relay:  # the agents and their workers inherit it
+        os.environ["AEGIS_NODE_RELAY"] = "1"
     cfg = Config(seed=a.seed, faults=a.faults, kinds=kinds, workdir=Path(a.workdir), network=not a.no_network,
                  in_process=a.in_process, redundancy=a.redundancy, nodes=nodes, nproc_per_node=nproc,
-                 spares=a.spares, mesh=a.mesh)
+                 spares=a.spares, mesh=a.mesh, node_relay=a.node_relay)
     s = Campaign(cfg).run()
     print()
     print(format_table(s))
