@@ -367,8 +367,15 @@ class Heartbeat:
             out = {"t": time.monotonic(), "ok": True,
                    "seen": {str(p["uid"]): int(p["counter"]) for p in posts}, "values": values}
         except StoreRestarted:
+            # as a direct beat does (see tick); the node's other processes beat directly on the
+            # failed output, and their own clients find the restart and re-seed
+            self.store_restarts += 1
+            self._blind = True
             with self._lock:
-                self._present = set()  # the processes' own beats find the restart and re-seed
+                self._present = set()
+            if self._on_restart is not None:
+                with contextlib.suppress(Exception):
+                    self._on_restart(self._store)
         except Exception:  # noqa: BLE001 - written as failed: the node's processes beat directly
             pass
         relay.publish(out)

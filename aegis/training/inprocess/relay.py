@@ -28,6 +28,7 @@ import fcntl
 import hashlib
 import json
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -49,7 +50,7 @@ def relay_root(store_addr: str, base: str = "/dev/shm") -> Path:
 
 def _write(path: Path, doc: dict[str, Any]) -> None:
     """Whole or not at all: a reader never sees a torn file."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     with open(tmp, "w") as fh:
         fh.write(json.dumps(doc, separators=(",", ":")))
     os.replace(tmp, path)
