@@ -173,3 +173,65 @@ def test_the_last_process_of_a_node_removes_its_relay(tmp_path: Path) -> None:
     assert b.lead()
     b.close()
     assert not root.exists()
+
+
+def test_a_store_restart_under_the_relay_reseeds_every_process_and_declares_nobody(
+        tmp_path: Path) -> None:
+    """The store restarted empty (a synthetic restart, as in tests/test_membership.py): the
+    relay's batch finds it and writes a failed output, every process of the node beats directly
+    once, finds the restart through its own client and re-seeds; nobody alive is declared, and
+    the relay takes over again."""
+    from typing import Any
+
+    from aegis.training.inprocess.storeclient import StoreRestarted
+
+    def server() -> dist.TCPStore:
+        return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                             timeout=timedelta(seconds=30))
+
+    class Client:  # after restart() the new server, StoreRestarted once
+        def __init__(self, s: dist.TCPStore) -> None:
+            self.s, self.restarted = s, False
+
+        def restart(self, s: dist.TCPStore) -> None:
+            self.s, self.restarted = s, True
+
+        def __getattr__(self, name: str) -> Any:
+            if self.restarted:
+                self.restarted = False
+                raise StoreRestarted("synthetic restart")
+            return getattr(self.s, name)
+
+    old = server()
+    reseeded: list[str] = []
+    uids = NODES["na"] + NODES["nb"][:1]
+    clients = {u: Client(old) for u in uids}
+    hbs = {u: Heartbeat(u, 0.1, timedelta(seconds=30), dead_after_s=0.5, store=clients[u],
+                        fence=lambda u: 0, fenceable=lambda u: True, start=False,
+                        on_restart=lambda st, u=u: reseeded.append(u),  # type: ignore[misc]
+                        relay=NodeRelay(tmp_path, u.split("/")[0], u, stale_s=0.25))
+           for u in uids}
+    try:
+        for h in hbs.values():
+            h.follow(uids, 0)
+
+        def beat(n: int) -> None:
+            for _ in range(n):
+                for h in hbs.values():
+                    h.tick()
+                time.sleep(0.1)
+
+        beat(5)
+        assert all(h.relayed_ticks for h in hbs.values())
+        new = server()
+        for c in clients.values():
+            c.restart(new)
+        beat(2 * 12)  # past dead_after_s + BLIND_GRACE_S
+        assert sorted(reseeded) == sorted(uids), reseeded  # each once, through its own client
+        assert not any(h.declarations for h in hbs.values()), [h.declarations for h in hbs.values()]
+        n0 = {u: h.relayed_ticks for u, h in hbs.items()}
+        beat(3)
+        assert all(h.relayed_ticks > n0[u] for u, h in hbs.items())  # relayed again
+    finally:
+        for h in hbs.values():
+            h.stop()
