@@ -359,6 +359,10 @@ class SimCluster:
                 self.network.remove(node.index)
         if remove_stores:
             shutil.rmtree(self.store_root, ignore_errors=True)
+        # the node heartbeat relays of this job (AEGIS_NODE_RELAY): killed processes leave them
+        from aegis.training.inprocess.relay import relay_root
+
+        shutil.rmtree(relay_root(f"{self.host}:{self.port}"), ignore_errors=True)
 
     def __enter__(self) -> SimCluster:
         return self.start()

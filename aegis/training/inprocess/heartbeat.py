@@ -307,6 +307,11 @@ class Heartbeat:
         goes to the store directly."""
         relay = self._relay
         assert relay is not None
+        if self._suspect():
+            # a successor already silent for nearly dead_after_s: look at it directly, not at
+            # the relay's reading of up to a beat ago (a direct beat; rare: only while a member
+            # is silent, so the steady state stays relayed)
+            return None
         self._count += 1
         also = list(self._also)
         try:
@@ -331,6 +336,18 @@ class Heartbeat:
             values.append(str(vals[log]).encode())
         self.relayed_ticks += 1
         return read, [_hb(u) for u in read], also, values, float(out["t"])
+
+    def _suspect(self) -> bool:
+        """A ring successor of the followed round has not moved for ``dead_after_s`` less two
+        beats (as this process last looked)."""
+        if self.dead_after_s is None:
+            return False
+        with self._lock:
+            if self._log is None:
+                return False
+            near = self.dead_after_s - 2 * self.interval_s
+            return any(u in self._seen and u not in self._declared
+                       and self._seen[u][2] - self._seen[u][1] >= near for u in self._ring)
 
     def _relay_batch(self, relay: NodeRelay) -> None:
         """The relay's beat for the node: every fresh post's counter written with one
