@@ -13,7 +13,9 @@ frozen process's post goes stale and its counter stops, whoever relays). A proce
 to its own two requests (the heartbeat's direct beat) whenever the relay's output is older than
 ``stale_s`` or has not seen its recent posts: a frozen relay, one whose store requests failed,
 a node whose tmpfs is full. The relay adds at most one beat to what a watcher reads, so a
-silence is still declared within ``dead_after_s`` + 3 beats of the last one.
+silence is still declared within ``dead_after_s`` + 3 beats of the last one; a watcher whose
+successor has been silent for ``dead_after_s`` less two beats reads it directly until it is
+declared (the heartbeat's ``_suspect``), which keeps detection as it was without the relay.
 
 Costs: per node per beat 2 store requests (plus a check or an append when a process watches a
 new key or follows a new round); per process per beat one file written and one read (a few
