@@ -136,21 +136,16 @@ def metadata_section(worlds: list[int], *, layers: int = 64, dim: int = 32, step
     return {"layers": layers, "dim": dim, "ranks_per_node": 8, "rows": rows}
 
 
-def _restore_rank(rank: int, world: int, root: str, mb: float, phase: str, lost: int
-                  ) -> dict[str, Any]:
+def _trained_fsdp(world: int, mb: float) -> tuple[Any, Any]:
+    """A stack of 256-wide Linear layers of about ``mb`` MB of state (AdamW included), FSDP2 over
+    ``world`` ranks, after one optimizer step (the same on every run: seed 0)."""
     import math
-    import os
 
     import torch
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    import aegis
-
-    # saving: rank r on node r; restoring: the survivors keep their nodes (node ``lost`` is gone)
-    node = rank if phase == "save" else [n for n in range(world + 1) if n != lost][rank]
-    os.environ["AEGIS_NODE_ID"] = f"node-{node}"
     dim = 256
     layers = max(1, math.ceil(mb * 1e6 / (12 * (dim * dim + dim))))
     torch.manual_seed(0)
@@ -162,6 +157,19 @@ def _restore_rank(rank: int, world: int, root: str, mb: float, phase: str, lost:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.randn(4, dim)).square().mean().backward()
     opt.step()
+    return model, opt
+
+
+def _restore_rank(rank: int, world: int, root: str, mb: float, phase: str, lost: int
+                  ) -> dict[str, Any]:
+    import os
+
+    import aegis
+
+    # saving: rank r on node r; restoring: the survivors keep their nodes (node ``lost`` is gone)
+    node = rank if phase == "save" else [n for n in range(world + 1) if n != lost][rank]
+    os.environ["AEGIS_NODE_ID"] = f"node-{node}"
+    model, opt = _trained_fsdp(world, mb)
     mgr = aegis.Manager("rst", {"model": aegis.ModelOptimizerState(model, opt)}, every=1, keep=1,
                         replicas=1, store_dir=f"{root}/node-{node}", verbose=False)
     step = mgr.restore()
@@ -213,30 +221,14 @@ SCHEMES = {"xor": {"redundancy": "xor", "group_size": 5},
 
 def _rebuild_rank(rank: int, world: int, root: str, mb: float, phase: str, lost: int,
                   scheme: str) -> dict[str, Any]:
-    import math
     import os
-
-    import torch
-    from torch import nn
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     import aegis
 
     # restoring: the same world, node ``lost`` replaced by a new node (its shard is rebuilt)
     node = rank if phase == "save" or rank != lost else world
     os.environ["AEGIS_NODE_ID"] = f"node-{node}"
-    dim = 256
-    layers = max(1, math.ceil(mb * 1e6 / (12 * (dim * dim + dim))))
-    torch.manual_seed(0)
-    model = nn.Sequential(*(nn.Linear(dim, dim) for _ in range(layers)))
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in model:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(torch.randn(4, dim)).square().mean().backward()
-    opt.step()
+    model, opt = _trained_fsdp(world, mb)
     mgr = aegis.Manager("rbd", {"model": aegis.ModelOptimizerState(model, opt)}, every=1, keep=1,
                         store_dir=f"{root}/node-{node}", verbose=False, **SCHEMES[scheme])
     step = mgr.restore()

@@ -614,24 +614,46 @@ def _fault_numbers(rows: list[dict[str, Any]], victims: list[str], r: int, t: fl
 CHILD_ENV = {"RES_OPTIONS": "timeout:1 attempts:1", "TORCH_CPP_LOG_LEVEL": "ERROR"}
 
 
-def section_membership(args: argparse.Namespace) -> dict[str, Any]:
+def _member_ctx() -> Any:
     os.environ.update(CHILD_ENV)
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch.distributed", "aegis.training.inprocess.membership"])
-    sizes = [int(x) for x in args.sizes.split(",")]
-    base_sizes = [int(x) for x in args.baseline_sizes.split(",")] if args.baseline_sizes else []
+    return ctx
+
+
+def _grow(args: argparse.Namespace, ctx: Any, sizes: str, what: str, *, relay: bool = False
+          ) -> tuple[list[dict[str, Any]], str | None]:
+    """One run per member count, up to the first this machine cannot simulate: (runs, why
+    it stopped or None)."""
     runs: list[dict[str, Any]] = []
-    stopped = None
-    for w in sizes:
-        print(f"membership: {w} members ...", flush=True)
-        res = _Run(w, args, ctx, None).run()
+    for w in [int(x) for x in sizes.split(",")]:
+        print(f"{what}: {w} members ...", flush=True)
+        res = _Run(w, args, ctx, None, relay=relay).run()
         runs.append(res)
         _print_run(res)
         why = _limited(res)
         if why:
             stopped = f"stopped after {w} members: {why}"
             print(stopped, flush=True)
-            break
+            return runs, stopped
+    return runs, None
+
+
+def _stopped(runs: list[dict[str, Any]]) -> str | None:
+    why = next(((r["world"], w) for r in runs if (w := _limited(r))), None)
+    return f"stopped after {why[0]} members: {why[1]}" if why else None
+
+
+def _stored_args(p: dict[str, Any]) -> argparse.Namespace:
+    return argparse.Namespace(interval=p["interval_s"], dead_after=p["dead_after_s"],
+                              steady=p["steady_s"], hosts=p["hosts"], drivers=p["drivers"],
+                              baseline_rev=p["baseline_rev"])
+
+
+def section_membership(args: argparse.Namespace) -> dict[str, Any]:
+    ctx = _member_ctx()
+    base_sizes = [int(x) for x in args.baseline_sizes.split(",")] if args.baseline_sizes else []
+    runs, stopped = _grow(args, ctx, args.sizes, "membership")
     base: list[dict[str, Any]] = []
     for w in base_sizes:
         print(f"membership, protocol before issue 24: {w} members ...", flush=True)
@@ -646,21 +668,7 @@ def section_membership(args: argparse.Namespace) -> dict[str, Any]:
 def section_relay(args: argparse.Namespace) -> dict[str, Any]:
     """The membership section's harness with every member beating through its node's relay
     (issue 40, ``aegis/training/inprocess/relay.py``): the same phases and numbers."""
-    os.environ.update(CHILD_ENV)
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch.distributed", "aegis.training.inprocess.membership"])
-    runs: list[dict[str, Any]] = []
-    stopped = None
-    for w in [int(x) for x in args.relay_sizes.split(",")]:
-        print(f"relay: {w} members ...", flush=True)
-        res = _Run(w, args, ctx, None, relay=True).run()
-        runs.append(res)
-        _print_run(res)
-        why = _limited(res)
-        if why:
-            stopped = f"stopped after {w} members: {why}"
-            print(stopped, flush=True)
-            break
+    runs, stopped = _grow(args, _member_ctx(), args.relay_sizes, "relay", relay=True)
     return _relay_result(_membership_result(args, runs, [], stopped, label="node relay (issue 40)"))
 
 
@@ -874,24 +882,13 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
 
 
 def _rebuild_membership(sec: dict[str, Any]) -> dict[str, Any]:
-    p = sec["params"]
-    args = argparse.Namespace(interval=p["interval_s"], dead_after=p["dead_after_s"],
-                              steady=p["steady_s"], hosts=p["hosts"], drivers=p["drivers"],
-                              baseline_rev=p["baseline_rev"])
-    why = next(((r["world"], w) for r in sec["runs"] if (w := _limited(r))), None)
-    stopped = f"stopped after {why[0]} members: {why[1]}" if why else None
-    return _membership_result(args, sec["runs"], sec["baseline"], stopped)
+    return _membership_result(_stored_args(sec["params"]), sec["runs"], sec["baseline"],
+                              _stopped(sec["runs"]))
 
 
 def _rebuild_relay(sec: dict[str, Any]) -> dict[str, Any]:
-    p = sec["params"]
-    args = argparse.Namespace(interval=p["interval_s"], dead_after=p["dead_after_s"],
-                              steady=p["steady_s"], hosts=p["hosts"], drivers=p["drivers"],
-                              baseline_rev=p["baseline_rev"])
-    why = next(((r["world"], w) for r in sec["runs"] if (w := _limited(r))), None)
-    stopped = f"stopped after {why[0]} members: {why[1]}" if why else None
-    return _relay_result(_membership_result(args, sec["runs"], [], stopped,
-                                            label="node relay (issue 40)"))
+    return _relay_result(_membership_result(_stored_args(sec["params"]), sec["runs"], [],
+                                            _stopped(sec["runs"]), label="node relay (issue 40)"))
 
 
 # sections whose derived parts (series, table, notes) can be rebuilt from their stored runs

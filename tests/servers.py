@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -54,3 +55,33 @@ def mount_tmpfs(path: Path, size: str) -> Path:
 
 def umount(path: Path) -> None:
     subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def tcp_store_server() -> Any:
+    """A c10d TCPStore server on loopback, a port of its own."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=30))
+
+
+class RestartingClient:
+    """A store client for a synthetic store restart: every call goes to its server until
+    :meth:`restart` points it at a new (empty) one, after which its next call raises
+    ``StoreRestarted`` once, as a ``StoreClient`` does when it finds the store's epoch gone."""
+
+    def __init__(self, server: Any) -> None:
+        self.s, self.restarted = server, False
+
+    def restart(self, server: Any) -> None:
+        self.s, self.restarted = server, True
+
+    def __getattr__(self, name: str) -> Any:
+        if self.restarted:
+            from aegis.training.inprocess.storeclient import StoreRestarted
+
+            self.restarted = False
+            raise StoreRestarted("synthetic restart")
+        return getattr(self.s, name)

@@ -830,24 +830,8 @@ def test_after_a_store_restart_members_not_back_yet_are_not_declared() -> None:
     outage: it was declared at once (the chaos campaign: 3 live members declared together
     right after a restart, and the next round took 12 s to form)."""
     from aegis.training.inprocess.membership import BLIND_GRACE_S
-    from aegis.training.inprocess.storeclient import StoreRestarted
-
-    def server() -> dist.TCPStore:
-        return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                             timeout=timedelta(seconds=30))
-
-    class Client:  # the heartbeat's client: after restart() the new server, StoreRestarted once
-        def __init__(self, s: dist.TCPStore) -> None:
-            self.s, self.restarted = s, False
-
-        def restart(self, s: dist.TCPStore) -> None:
-            self.s, self.restarted = s, True
-
-        def __getattr__(self, name: str) -> Any:
-            if self.restarted:
-                self.restarted = False
-                raise StoreRestarted("synthetic restart")
-            return getattr(self.s, name)
+    from tests.servers import RestartingClient as Client
+    from tests.servers import tcp_store_server as server
 
     old = server()
     wc, mc = Client(old), Client(old)

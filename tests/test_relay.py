@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from aegis.training.inprocess.heartbeat import CountingStore, Heartbeat
 from aegis.training.inprocess.relay import NodeRelay, relay_root
+from tests.servers import RestartingClient, tcp_store_server
 
 NODES = {"na": ["na/0/1", "na/1/2", "na/2/3"], "nb": ["nb/0/4", "nb/1/5", "nb/2/6"]}
 ALL = [u for us in NODES.values() for u in us]
@@ -181,31 +182,10 @@ def test_a_store_restart_under_the_relay_reseeds_every_process_and_declares_nobo
     relay's batch finds it and writes a failed output, every process of the node beats directly
     once, finds the restart through its own client and re-seeds; nobody alive is declared, and
     the relay takes over again."""
-    from typing import Any
-
-    from aegis.training.inprocess.storeclient import StoreRestarted
-
-    def server() -> dist.TCPStore:
-        return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                             timeout=timedelta(seconds=30))
-
-    class Client:  # after restart() the new server, StoreRestarted once
-        def __init__(self, s: dist.TCPStore) -> None:
-            self.s, self.restarted = s, False
-
-        def restart(self, s: dist.TCPStore) -> None:
-            self.s, self.restarted = s, True
-
-        def __getattr__(self, name: str) -> Any:
-            if self.restarted:
-                self.restarted = False
-                raise StoreRestarted("synthetic restart")
-            return getattr(self.s, name)
-
-    old = server()
+    old = tcp_store_server()
     reseeded: list[str] = []
     uids = NODES["na"] + NODES["nb"][:1]
-    clients = {u: Client(old) for u in uids}
+    clients = {u: RestartingClient(old) for u in uids}
     hbs = {u: Heartbeat(u, 0.1, timedelta(seconds=30), dead_after_s=0.5, store=clients[u],
                         fence=lambda u: 0, fenceable=lambda u: True, start=False,
                         on_restart=lambda st, u=u: reseeded.append(u),  # type: ignore[misc]
@@ -223,7 +203,7 @@ def test_a_store_restart_under_the_relay_reseeds_every_process_and_declares_nobo
 
         beat(5)
         assert all(h.relayed_ticks for h in hbs.values())
-        new = server()
+        new = tcp_store_server()
         for c in clients.values():
             c.restart(new)
         beat(2 * 12)  # past dead_after_s + BLIND_GRACE_S

@@ -349,6 +349,38 @@ class Heartbeat:
             return any(u in self._seen and u not in self._declared
                        and self._seen[u][2] - self._seen[u][1] >= near for u in self._ring)
 
+    def _ensure(self, keys: list[str], also: list[str], logs: list[str]) -> None:
+        """Make sure what a beat reads exists or is known not to (a ``multi_get`` of a missing
+        key would wait for the client's timeout): each log created once per round (``append``
+        of nothing), each newly watched counter checked once (a member that never beat has
+        none), each ``also`` counter seeded at 0 once (and again after a store restart)."""
+        for lg in logs:
+            if lg not in self._present:
+                self._store.append(lg, b"")
+                self._present.add(lg)
+        new = [k for k in keys if k not in self._present]
+        if new:
+            if self._store.check(new):
+                self._present.update(new)
+            else:
+                self._present.update(k for k in new if self._store.check([k]))
+        for a in also:
+            if a not in self._present:
+                self._store.add(a, 0)
+                self._present.add(a)
+
+    def _restarted(self) -> None:
+        """The store lost its keys: none of them is known to exist any more; what this process
+        knows of its round is written back (``on_restart``), the next beat goes on, and its
+        first look counts as blind."""
+        self.store_restarts += 1
+        self._blind = True
+        with self._lock:
+            self._present = set()
+        if self._on_restart is not None:
+            with contextlib.suppress(Exception):
+                self._on_restart(self._store)
+
     def _relay_batch(self, relay: NodeRelay) -> None:
         """The relay's beat for the node: every fresh post's counter written with one
         ``multi_set``, the union of the keys they read with one ``multi_get`` (new keys checked
@@ -363,20 +395,7 @@ class Heartbeat:
             keys = list(dict.fromkeys(str(k) for p in posts for k in p.get("keys", [])))
             also = list(dict.fromkeys(str(a) for p in posts for a in p.get("also", [])))
             logs = list(dict.fromkeys(str(p["log"]) for p in posts if p.get("log")))
-            for lg in logs:
-                if lg not in self._present:
-                    self._store.append(lg, b"")
-                    self._present.add(lg)
-            new = [k for k in keys if k not in self._present]
-            if new:
-                if self._store.check(new):
-                    self._present.update(new)
-                else:
-                    self._present.update(k for k in new if self._store.check([k]))
-            for a in also:
-                if a not in self._present:
-                    self._store.add(a, 0)
-                    self._present.add(a)
+            self._ensure(keys, also, logs)
             read = [k for k in keys if k in self._present] + also + logs
             got = self._store.multi_get(read) if read else []
             values: dict[str, str | None] = {k: None for k in keys}  # looked up, no counter
@@ -384,15 +403,9 @@ class Heartbeat:
             out = {"t": time.monotonic(), "ok": True,
                    "seen": {str(p["uid"]): int(p["counter"]) for p in posts}, "values": values}
         except StoreRestarted:
-            # as a direct beat does (see tick); the node's other processes beat directly on the
-            # failed output, and their own clients find the restart and re-seed
-            self.store_restarts += 1
-            self._blind = True
-            with self._lock:
-                self._present = set()
-            if self._on_restart is not None:
-                with contextlib.suppress(Exception):
-                    self._on_restart(self._store)
+            # as a direct beat does; the node's other processes beat directly on the failed
+            # output, and their own clients find the restart and re-seed
+            self._restarted()
         except Exception:  # noqa: BLE001 - written as failed: the node's processes beat directly
             pass
         relay.publish(out)
@@ -413,39 +426,18 @@ class Heartbeat:
         else:
             try:
                 self._store.add(self.key, 1)
-                if log is not None and log not in self._present:
-                    self._store.append(log, b"")  # creates the log, adds nothing (once per round)
-                    self._present.add(log)
-                new = [k for k in keys if k not in self._present]
-                if new:  # once per newly watched member; a member that never beat has no counter
-                    if self._store.check(new):
-                        self._present.update(new)
-                    else:
-                        self._present.update(k for k in new if self._store.check([k]))
+                also = list(self._also)
+                tail = [log] if log else []
+                self._ensure(keys, also, tail)
                 if all(k in self._present for k in keys):
                     read, rkeys = targets, keys
                 else:  # a member that never beat: not read (silent since it was watched)
                     read = [u for u, k in zip(targets, keys, strict=True) if k in self._present]
                     rkeys = [_hb(u) for u in read]
-                also = list(self._also)
-                for k in also:
-                    if k not in self._present:
-                        self._store.add(k, 0)  # once (and after a store restart)
-                        self._present.add(k)
-                tail = [log] if log else []
                 values = self._store.multi_get(rkeys + also + tail) if rkeys or also or tail else []
             except StoreRestarted:
-                # the store lost its keys: none of them is known to exist any more (a multi_get of
-                # a missing key would wait for the client's timeout); what this process knows of
-                # its round is written back, the next beat goes on
                 self.failed_ticks += 1
-                self.store_restarts += 1
-                self._blind = True
-                with self._lock:
-                    self._present = set()
-                if self._on_restart is not None:
-                    with contextlib.suppress(Exception):
-                        self._on_restart(self._store)
+                self._restarted()
                 return False
             except Exception:  # noqa: BLE001 - a store hiccup is seen by the peers, not here
                 self.failed_ticks += 1
