@@ -72,7 +72,13 @@ def test_tail_round_trip_and_corruption() -> None:
     blob = bytes(64) + tail
     start, fcrc = decode_footer(blob[-24:], size=len(blob), where="t")
     assert fcrc == crc
-    assert decode_index(blob[start:-24], crc=fcrc, size=len(blob), where="t") == idx
+    first = decode_index(blob[start:-24], crc=fcrc, size=len(blob), where="t")
+    assert first == idx
+    # the same bytes again are not parsed again (a restore reads a local index twice) ...
+    assert decode_index(bytes(blob[start:-24]), crc=fcrc, size=len(blob), where="t") is first
+    # ... but the cache never vouches for them against another crc
+    with pytest.raises(ManifestError, match="crc32c"):
+        decode_index(blob[start:-24], crc=fcrc ^ 1, size=len(blob), where="t")
     bad = bytearray(blob)
     bad[start + 3] ^= 1
     with pytest.raises(ManifestError, match="crc32c"):
