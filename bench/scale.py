@@ -26,6 +26,9 @@ sections the file holds):
                 heartbeat relay (issue 40): store requests and CPU, detection, agreement.
 ``parity_rebuild`` a lost node's shard rebuilt from its parity group (XOR of 5, RS 4+2):
                 the bytes the rebuilding rank receives over the shard (issue 40), 5 -> 12 ranks.
+``parity_metadata`` the metadata section with parity groups (XOR of 4, RS 4+2), one rank per
+                node, 2 -> 32 ranks: format 4's step record with the node's own groups
+                (issue 40) beside the whole format-3 manifest of before.
 
 Adding a section: a function ``section_<name>(args) -> dict`` with the keys of
 :func:`section_membership`'s result (``series`` drive the plot and the projection, ``table`` and
@@ -64,9 +67,11 @@ from _common import ForeignCpu, md_table, plt, python, text_table  # noqa: E402
 from _machine import ROOT, describe, load1, machine  # noqa: E402
 from _scale_snapshot import (  # noqa: E402
     rebuild_metadata,
+    rebuild_parity_metadata,
     rebuild_parity_rebuild,
     rebuild_restore,
     section_metadata,
+    section_parity_metadata,
     section_parity_rebuild,
     section_restore,
 )
@@ -878,6 +883,7 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "restore": section_restore,
     "parity_rebuild": section_parity_rebuild,
     "relay": section_relay,
+    "parity_metadata": section_parity_metadata,
 }
 
 
@@ -898,6 +904,7 @@ REBUILD: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "restore": rebuild_restore,
     "parity_rebuild": rebuild_parity_rebuild,
     "relay": _rebuild_relay,
+    "parity_metadata": rebuild_parity_metadata,
 }
 
 

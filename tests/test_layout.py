@@ -75,3 +75,58 @@ def test_node_stores_written_before_format_4_still_restore(tmp_path: Path) -> No
     out = run_ranks(2, _restore, str(root))
     assert out[0]["step"] == 3
     assert_bitwise_equal(saved, out[0]["state"])
+
+
+def _parity_step() -> StepManifest:
+    from aegis.snapshot.erasure import stripe_layout
+    from aegis.snapshot.manifest import ParityGroup, Redundancy
+
+    sizes = {0: 1000, 1: 1200, 2: 900, 3: 1100, 4: 1000, 5: 800}
+    groups = []
+    for members in ((0, 2, 4), (1, 3, 5)):
+        seg = stripe_layout([sizes[m] for m in members], 1).segment_size
+        groups.append(ParityGroup(members, seg, tuple(100 + m for m in members)))
+    return StepManifest(job="j", step=7, world_size=6, layout="0123456789abcdef",
+                        shards_digest="sha256:00", total_bytes=sum(sizes.values()),
+                        parity=Redundancy("xor", tuple(groups)),
+                        members={r: (size, size - 100) for r, size in sizes.items()})
+
+
+def test_a_parity_step_record_keeps_its_nodes_groups_and_round_trips() -> None:
+    """Issue 40: with parity groups a node keeps the constant step record plus its own groups'
+    numbers (each member's size and index start), not the whole manifest."""
+    from aegis.snapshot.node_manifest import load_node_manifest, merge_parity
+
+    whole = _parity_step()
+    mine = whole.for_ranks([1])  # the node of rank 1: only group (1, 3, 5)
+    assert mine.parity is not None and [g.members for g in mine.parity.groups] == [(1, 3, 5)]
+    assert set(mine.members) == {1, 3, 5}
+    back = load_node_manifest(mine.to_json(), where="t")
+    assert back == mine
+    # the nodes' records pooled give every group once
+    red, members = merge_parity([whole.for_ranks([0]), whole.for_ranks([3]), whole.for_ranks([1])])
+    assert red is not None and sorted(g.members for g in red.groups) == [(0, 2, 4), (1, 3, 5)]
+    assert members == whole.members
+
+
+def test_a_damaged_parity_step_record_is_refused() -> None:
+    import pytest
+
+    from aegis.errors import ManifestError
+    from aegis.snapshot.manifest import dumps_with_checksum
+    from aegis.snapshot.node_manifest import load_node_manifest
+
+    good = json.loads(_parity_step().to_json())
+    for damage in ("short", "start", "segment", "alone"):
+        d = json.loads(json.dumps(good))
+        d.pop("checksum")
+        if damage == "short":
+            d["parity_shards"] = d["parity_shards"][:-1]
+        elif damage == "start":
+            d["parity_shards"][0] = [10, 20]  # the index after the shard's end
+        elif damage == "segment":
+            d["parity"]["groups"][0]["segment_size"] += 64
+        else:
+            d.pop("parity_shards")
+        with pytest.raises(ManifestError):
+            load_node_manifest(dumps_with_checksum(d), where="t")

@@ -19,6 +19,7 @@ import torch
 from aegis.errors import ManifestError
 from aegis.snapshot.erasure import xor_layout
 from aegis.snapshot.manifest import Manifest, ParityGroup, Redundancy
+from aegis.snapshot.node_manifest import StepManifest
 from aegis.snapshot.node_store import NodeStore
 from aegis.snapshot.placement import Placement, parity_groups
 from tests.dist_utils import run_ranks
@@ -78,6 +79,26 @@ def _save(rank: int, world: int, root: str, kw: dict[str, Any]) -> Any:
             "parity_bytes": r.parity_bytes, "replica_bytes": r.replica_bytes}
 
 
+def _pooled_manifest(root: Path, step: int = 3) -> Manifest:
+    """The whole manifest of ``step`` from node a's format-4 step record, with every rank's
+    record read from the shard's own index wherever a node store holds it (as the reading
+    layer pools them); checks that each node keeps a step record with its own groups only."""
+    extra = {}
+    for n in NODES:
+        store = NodeStore(root / n, JOB)
+        if not store.dir.exists():
+            continue
+        for info in store.steps():
+            if info.step == step:
+                for r in info.shard_ranks:
+                    extra.setdefault(r, store.shard_record(step, r))
+                rec = store.read_node_manifest(step)
+                assert isinstance(rec, StepManifest) and rec.parity is not None, rec
+                mine = set(info.shard_ranks)
+                assert all(mine & set(g.members) for g in rec.parity.groups), rec.parity
+    return NodeStore(root / "a", JOB).read_manifest(step, extra=extra)
+
+
 def _restore_xor(world: int, root: Path, nodes: list[str], kw: dict[str, Any]) -> list[Any]:
     """tests/test_recovery.py's restore on ``world`` ranks, with the parity groups of ``_mgr``."""
     return run_ranks(world, _restore, str(root), nodes, 0, {**XOR, **kw})
@@ -86,7 +107,7 @@ def _restore_xor(world: int, root: Path, nodes: list[str], kw: dict[str, Any]) -
 def test_xor_keeps_a_quarter_more_rebuilds_one_lost_node_bitwise_and_names_more_losses(store_dir: Path) -> None:
     saved = run_ranks(5, _save, str(store_dir), {})
     assert all(o["committed"] and o["replica_bytes"] == 0 and o["parity_bytes"] > 0 for o in saved)
-    m = NodeStore(store_dir / "a", JOB).read_manifest(3)
+    m = _pooled_manifest(store_dir)
     assert m.redundancy is not None and m.redundancy.scheme == "xor"
     (group,) = m.redundancy.groups
     assert group.members == (0, 1, 2, 3, 4)
@@ -113,6 +134,7 @@ def test_xor_keeps_a_quarter_more_rebuilds_one_lost_node_bitwise_and_names_more_
     # shrink to the four survivors (resharding): whoever reads rank 2's old shard rebuilds it
     lose(store_dir, "f")
     out = _restore_xor(4, store_dir, ["a", "b", "d", "e"], {})
+    assert all(isinstance(o, dict) for o in out), out
     assert [o["step"] for o in out] == [3] * 4, out
     assert_bitwise_equal(saved[0]["full"], out[0]["full"])
     assert any(s["source"] == "rebuild" for o in out for s in o["sources"])
@@ -204,7 +226,7 @@ def test_rs_3_plus_2_rebuilds_two_lost_nodes_bitwise_and_names_a_third(
         store_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     saved = run_ranks(5, _save, str(store_dir), RS)
     assert all(o["committed"] and o["replica_bytes"] == 0 and o["parity_bytes"] > 0 for o in saved)
-    m = NodeStore(store_dir / "a", JOB).read_manifest(3)
+    m = _pooled_manifest(store_dir)
     assert m.redundancy is not None and (m.redundancy.scheme, m.redundancy.parity) == ("rs", 2)
     (group,) = m.redundancy.groups
     assert Manifest.from_json(m.to_json()) == m

@@ -58,7 +58,7 @@ from aegis.snapshot.manifest import (
 from aegis.snapshot.node_manifest import Layout, StepManifest, shards_digest
 from aegis.snapshot.node_store import NodeStore, Slot, is_store_full
 from aegis.snapshot.redundancy import Protected, Scheme, build, shard_summary
-from aegis.snapshot.shard import ShardLayout, plan_layout
+from aegis.snapshot.shard import FOOTER_SIZE, ShardLayout, decode_footer, plan_layout
 from aegis.snapshot.slot_pools import SlotPools
 from aegis.snapshot.staging import CopyBarrier, Stager
 from aegis.snapshot.transport import Transport
@@ -196,6 +196,7 @@ class SnapshotEngine:
         self.nodes: list[str] = [n for n, _ in ids]
         self.is_leader = self.nodes.index(node) == self.rank  # first rank of this node
         self.local_world = self.nodes.count(node)
+        self._local_ranks = [r for r, n in enumerate(self.nodes) if n == node]
         store.create()
         if self.is_leader:  # free slots of ranks no longer on this node (renumbered on restart)
             local = {r for r, n in enumerate(self.nodes) if n == node}
@@ -548,12 +549,16 @@ class SnapshotEngine:
         if self.poisoned is not None and (why := self.poisoned()) is not None:
             err, full = err or f"round abandoned: {why}", False
         tc = time.perf_counter()
-        # Whole records travel only with parity groups (their manifest is written whole, the
-        # rebuild of a lost shard needs its record); otherwise (size, index crc32c): O(1) per
-        # rank, the format-4 step manifest needs nothing more (each shard's index holds the rest).
+        # (size, index crc32c): O(1) per rank, the format-4 step manifest needs nothing more
+        # (each shard's index holds the rest); with parity groups also where the index starts
+        # (a lost member's index is rebuilt from parity, issue 40). Whole records only for the
+        # benchmarks' whole-manifest comparison.
         sent: Any = record
-        if record is not None and not self.groups and not self.whole_manifests:
+        if record is not None and not self.whole_manifests:
             sent = (record.size, record.index_crc32c)
+            if self.groups and staged is not None:
+                sent += (decode_footer(staged.tail[-FOOTER_SIZE:], size=record.size,
+                                       where="this rank's shard")[0],)
         reports = self.group.gather(
             (sent, err, received, result.blocking_s, result.copy_s, full, protected.parity), "commit gather"
         )
@@ -575,7 +580,10 @@ class SnapshotEngine:
             if self.is_leader:
                 try:
                     _fault.hit("commit", result.step, self.rank)
-                    self.store.write_manifest(manifest, layout)  # a new plan's layout first
+                    # parity groups: a node keeps its own groups' records only
+                    mine = manifest.for_ranks(self._local_ranks) \
+                        if isinstance(manifest, StepManifest) else manifest
+                    self.store.write_manifest(mine, layout)  # a new plan's layout first
                     if layout is not None:
                         self.store.prune_layouts()
                 except Exception as e:  # noqa: BLE001 - e.g. a full tmpfs
@@ -658,9 +666,11 @@ class SnapshotEngine:
             "copy_s_max": max(rep[4] for rep in reports),
             "complete_replicate_s_rank0": complete_s,
         }
-        if redundancy is None and not self.whole_manifests:
+        if not self.whole_manifests:
             # format 4: the layout once per plan (sent with the first commit that needs it), a
-            # step record of constant size per step
+            # step record of constant size per step; with parity groups the groups and their
+            # members' (size, index start), of which each node keeps its own
+            # groups' (O(world) small numbers in the broadcast, O(group) written per node)
             if self._layout is None:
                 self._layout = Layout(job=self.store.job, world_size=self.world,
                                       nodes=tuple(self.nodes),
@@ -670,10 +680,13 @@ class SnapshotEngine:
             new = self._layout.digest != self._layout_sent
             self._layout_sent = self._layout.digest
             pairs = [summary[r] for r in range(self.world)]
+            members = {} if redundancy is None else {
+                m: (records[m][0], records[m][2])
+                for g in redundancy.groups for m in g.members}
             step_manifest = StepManifest(
                 job=self.store.job, step=step, world_size=self.world, layout=self._layout.digest,
                 shards_digest=shards_digest(pairs), total_bytes=sum(sz for sz, _ in pairs),
-                created=time.time(), timings=timings)
+                created=time.time(), timings=timings, parity=redundancy, members=members)
             return ("commit", (step_manifest, upload, self._layout if new else None))
         return ("commit", (Manifest(
             job=self.store.job,

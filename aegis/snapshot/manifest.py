@@ -311,14 +311,7 @@ class Manifest:
             "state_kinds": dict(self.state_kinds),
         }
         if self.redundancy is not None:
-            red = self.redundancy
-            doc["redundancy"] = {
-                "scheme": red.scheme,
-                "groups": [{"members": list(g.members), "segment_size": g.segment_size,
-                            "parity_crc32c": list(g.parity_crc32c)}
-                           | ({"parity_size": g.parity_size} if g.parity_size >= 0 else {})
-                           for g in red.groups],
-            } | ({"parity": red.parity, "ec_type": red.ec_type} if red.scheme == "rs" else {})
+            doc["redundancy"] = redundancy_to_doc(self.redundancy)
         return dumps_with_checksum(doc)
 
     @classmethod
@@ -451,10 +444,23 @@ class Manifest:
 # -- helpers -------------------------------------------------------------------------------------
 
 
-def _redundancy_from_doc(p: _Parser, doc: Any, shards: Sequence[ShardRecord]) -> Redundancy:
-    """Parity groups, checked against the shards: every member a rank of the snapshot, in one
-    group at most, and the segment size the one its members' shard sizes give (so a damaged
-    record cannot make a rebuild read the wrong bytes)."""
+def redundancy_to_doc(red: Redundancy) -> dict[str, Any]:
+    """The JSON document of parity groups (a whole manifest's ``redundancy``; a format-4 step
+    record's ``parity``)."""
+    return {
+        "scheme": red.scheme,
+        "groups": [{"members": list(g.members), "segment_size": g.segment_size,
+                    "parity_crc32c": list(g.parity_crc32c)}
+                   | ({"parity_size": g.parity_size} if g.parity_size >= 0 else {})
+                   for g in red.groups],
+    } | ({"parity": red.parity, "ec_type": red.ec_type} if red.scheme == "rs" else {})
+
+
+def _redundancy_from_doc(p: _Parser, doc: Any, shards: Sequence[ShardRecord] | Mapping[int, int]
+                         ) -> Redundancy:
+    """Parity groups, checked against the shards (or each rank's shard size): every member a
+    rank of the snapshot, in one group at most, and the segment size the one its members' shard
+    sizes give (so a damaged record cannot make a rebuild read the wrong bytes)."""
     d = p.obj(doc, "redundancy")
     p.fields(d, "redundancy", required={"scheme", "groups"}, optional={"parity", "ec_type"})
     scheme = p.str_(d["scheme"], "redundancy.scheme")
@@ -467,7 +473,7 @@ def _redundancy_from_doc(p: _Parser, doc: Any, shards: Sequence[ShardRecord]) ->
     ec_type = p.str_(d["ec_type"], "redundancy.ec_type") if rs else ""
     if parity < 1 or (rs and not ec_type):
         raise p.fail(f"redundancy: parity {parity} must be >= 1 and RS needs its ec_type")
-    sizes = {s.rank: s.size for s in shards}
+    sizes = dict(shards) if isinstance(shards, Mapping) else {s.rank: s.size for s in shards}
     seen: set[int] = set()
     groups = []
     for i, g in enumerate(p.list_(d["groups"], "redundancy.groups")):

@@ -7,6 +7,7 @@ rebuilds the whole :class:`~.manifest.Manifest` from the three.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -16,24 +17,29 @@ from typing import Any
 from aegis.errors import ManifestError
 from aegis.snapshot.manifest import (
     _PLAIN_FORMAT_VERSION,
+    FORMAT_VERSION,
     MAX_WORLD_SIZE,
     NODE_FORMAT_VERSION,
     BytesEntry,
     Manifest,
+    Redundancy,
     ShardRecord,
     TensorEntry,
     _check_items_against_entries,
     _entry_to_doc,
     _Parser,
+    _redundancy_from_doc,
     body_checksum,
     check_checksum,
     dataclasses_replace,
     dumps_with_checksum,
     load_json,
+    redundancy_to_doc,
     text_checksum_ok,
 )
 
-__all__ = ["Layout", "StepManifest", "shards_digest", "assemble", "assemble_any", "split", "load_node_manifest"]
+__all__ = ["Layout", "StepManifest", "shards_digest", "assemble", "assemble_any", "split", "load_node_manifest",
+           "merge_parity"]
 
 
 #
@@ -168,7 +174,14 @@ def parse_layout(text: bytes, digest: str, *, where: str = "layout") -> Layout:
 
 @dataclass(frozen=True)
 class StepManifest:
-    """A committed step in a node store (format 4): constant size whatever the world size."""
+    """A committed step in a node store (format 4): constant size whatever the world size.
+
+    With parity groups (issue 40) a node's record also holds the groups that have a member on
+    that node (``parity``: members, segment size, each member's parity size and crc32c) and,
+    for each of their members, ``members[rank] = (shard size, index start)``: what rebuilding
+    a lost member's index (and footer) from parity needs, since no surviving shard holds it;
+    the rebuilt index is then checked by its footer's crc32c and, with every rank's, against
+    ``shards_digest``. O(group size x local ranks) per node per step: flat in the world size."""
 
     job: str
     step: int
@@ -178,6 +191,19 @@ class StepManifest:
     total_bytes: int
     created: float = 0.0
     timings: Mapping[str, float] = field(default_factory=dict)
+    parity: Redundancy | None = None
+    members: Mapping[int, tuple[int, int]] = field(default_factory=dict)
+
+    def for_ranks(self, ranks: Sequence[int]) -> StepManifest:
+        """This record as a node holding ``ranks`` keeps it: only the parity groups that have a
+        member among them (with their members' shard records)."""
+        if self.parity is None:
+            return self
+        mine = set(ranks)
+        groups = tuple(g for g in self.parity.groups if mine.intersection(g.members))
+        members = {m: self.members[m] for g in groups for m in g.members}
+        return dataclasses.replace(self, parity=dataclasses.replace(self.parity, groups=groups),
+                                   members=members)
 
     def to_json(self) -> str:
         d: dict[str, Any] = {
@@ -186,6 +212,9 @@ class StepManifest:
             "shards_digest": self.shards_digest, "total_bytes": self.total_bytes,
             "created": self.created, "timings": dict(self.timings),
         }
+        if self.parity is not None:  # [size, index start] per member, in the groups' order
+            d["parity"] = redundancy_to_doc(self.parity)
+            d["parity_shards"] = [list(self.members[m]) for g in self.parity.groups for m in g.members]
         return dumps_with_checksum(d)
 
     @classmethod
@@ -193,19 +222,56 @@ class StepManifest:
         p = _Parser(where)
         p.fields(d, "manifest", required={"format_version", "kind", "job", "step", "world_size",
                                           "layout", "shards_digest", "total_bytes", "checksum"},
-                 optional={"created", "timings"})
+                 optional={"created", "timings", "parity", "parity_shards"})
         layout = p.str_(d["layout"], "layout")
         digest = p.str_(d["shards_digest"], "shards_digest")
         if len(layout) != 16 or not all(c in "0123456789abcdef" for c in layout) \
                 or not digest.startswith("sha256:"):
             raise p.fail("layout / shards_digest are not digests")
+        world = p.int_(d["world_size"], "world_size", lo=1, hi=MAX_WORLD_SIZE)
+        parity, members = None, {}
+        if ("parity" in d) != ("parity_shards" in d):
+            raise p.fail("parity and parity_shards come together")
+        if "parity" in d:
+            rows = [p.ints(row, f"parity_shards[{i}]")
+                    for i, row in enumerate(p.list_(d["parity_shards"], "parity_shards"))]
+            ranks = [p.int_(m, "parity.groups[].members[]", hi=world - 1)
+                     for g in p.list_(p.obj(d["parity"], "parity").get("groups", []), "parity.groups")
+                     for m in p.list_(p.obj(g, "parity.groups[]").get("members", []), "members")]
+            if len(rows) != len(ranks) or any(len(v) != 2 or v[1] > v[0] for v in rows):
+                raise p.fail("parity_shards must hold [size, index start <= size] for each member "
+                             "of the parity groups, in their order")
+            members = {r: (v[0], v[1]) for r, v in zip(ranks, rows, strict=True)}
+            parity = _redundancy_from_doc(p, d["parity"], {r: v[0] for r, v in members.items()})
         return cls(job=p.str_(d["job"], "job"), step=p.int_(d["step"], "step"),
-                   world_size=p.int_(d["world_size"], "world_size", lo=1, hi=MAX_WORLD_SIZE),
-                   layout=layout, shards_digest=digest,
+                   world_size=world, layout=layout, shards_digest=digest,
                    total_bytes=p.int_(d["total_bytes"], "total_bytes"),
                    created=float(p.num(d.get("created", 0.0), "created")),
                    timings={k: float(p.num(v, f"timings[{k!r}]"))
-                            for k, v in p.obj(d.get("timings", {}), "timings").items()})
+                            for k, v in p.obj(d.get("timings", {}), "timings").items()},
+                   parity=parity, members=members)
+
+
+def merge_parity(records: Sequence[StepManifest]) -> tuple[Redundancy | None,
+                                                            dict[int, tuple[int, int]]]:
+    """The parity groups and member shard records of one step pooled from several nodes'
+    records (each keeps its own groups): every group once (the first record that has it), so
+    a lost node's groups come from its surviving members' nodes."""
+    red: Redundancy | None = None
+    groups: dict[tuple[int, ...], Any] = {}
+    members: dict[int, tuple[int, int]] = {}
+    for m in records:
+        if m.parity is None:
+            continue
+        red = red or m.parity
+        for g in m.parity.groups:
+            if g.members not in groups:
+                groups[g.members] = g
+                for r in g.members:
+                    members.setdefault(r, m.members[r])
+    if red is None:
+        return None, {}
+    return dataclasses.replace(red, groups=tuple(groups.values())), members
 
 
 def load_node_manifest(text: str | bytes, *, where: str) -> Manifest | StepManifest:
@@ -237,10 +303,11 @@ def split(m: Manifest) -> tuple[Layout, StepManifest]:
 
 
 def assemble(layout: Layout, step: StepManifest, records: Mapping[int, ShardRecord], *,
-             where: str = "manifest") -> Manifest:
+             where: str = "manifest", redundancy: Redundancy | None = None) -> Manifest:
     """The whole manifest of ``step`` from its layout and one shard record per rank (read from
     the shards' own indexes), checked against the step's digest: a stale, foreign or damaged
-    shard index cannot pass for the committed one."""
+    shard index cannot pass for the committed one. Its parity groups are ``redundancy`` (pooled
+    from several nodes' records by :func:`merge_parity`) or the step record's own."""
     if layout.job != step.job or layout.world_size != step.world_size:
         raise ManifestError(f"{where}: layout {step.layout} is for job {layout.job!r} with "
                             f"{layout.world_size} rank(s), not this step's")
@@ -251,6 +318,7 @@ def assemble(layout: Layout, step: StepManifest, records: Mapping[int, ShardReco
         raise ManifestError(f"{where}: no shard index for rank(s) {missing[:8]}"
                             + (" ..." if len(missing) > 8 else ""))
     ordered = [records[r] for r in range(step.world_size)]
+    red = redundancy if redundancy is not None else step.parity
     got = shards_digest([(r.size, r.index_crc32c) for r in ordered])
     if got != step.shards_digest:
         raise ManifestError(f"{where}: the shards' sizes and index crc32c do not match step "
@@ -260,14 +328,14 @@ def assemble(layout: Layout, step: StepManifest, records: Mapping[int, ShardReco
                               for i, r in enumerate(ordered)),
                  entries=layout.entries, planner_data=layout.planner_data, mesh=layout.mesh,
                  timings=step.timings, created=step.created, state_kinds=layout.state_kinds,
-                 format_version=_PLAIN_FORMAT_VERSION)
+                 redundancy=red, format_version=_PLAIN_FORMAT_VERSION if red is None else FORMAT_VERSION)
     _check_items_against_entries(m, where)
     return m
 
 
 def assemble_any(layout: Layout, step: StepManifest,
                  candidates: Mapping[int, Sequence[ShardRecord]], *, where: str = "manifest",
-                 tries: int = 256) -> Manifest:
+                 tries: int = 256, redundancy: Redundancy | None = None) -> Manifest:
     """:func:`assemble` when some rank has several candidate records (copies on several nodes
     whose indexes differ: one is stale or damaged): the most common first, then other
     combinations, at most ``tries``; the digest decides."""
@@ -290,7 +358,7 @@ def assemble_any(layout: Layout, step: StepManifest,
         pick = dict(first)
         pick.update(zip(multi, combo, strict=True))
         try:
-            return assemble(layout, step, pick, where=where)
+            return assemble(layout, step, pick, where=where, redundancy=redundancy)
         except ManifestError as e:
             last = e
             if "do not match" not in str(e):

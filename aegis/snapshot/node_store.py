@@ -270,7 +270,7 @@ class NodeStore:
                                          for r in range(m.world_size)),
                             entries=layout.entries, planner_data=layout.planner_data,
                             mesh=layout.mesh, timings=m.timings, created=m.created,
-                            state_kinds=layout.state_kinds, format_version=4)
+                            state_kinds=layout.state_kinds, redundancy=m.parity, format_version=4)
         if missing:
             raise PartialManifestError(
                 f"{self.manifest_path(step)}: this node store holds intact shards of "

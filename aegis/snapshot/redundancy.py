@@ -510,7 +510,7 @@ class _ParityScheme(Scheme):
         groups = []
         layout = None
         for members in self.groups:
-            layout = stripe_layout([records[m].size for m in members], self.losses)
+            layout = stripe_layout([summary[m][0] for m in members], self.losses)
             expect = self._expected(layout)
             for m in members:
                 par = reports[m][6]
@@ -716,6 +716,7 @@ def build(redundancy: str, *, nodes: Sequence[str], domains: Sequence[str], rank
     return scheme
 
 
-def shard_summary(rec: ShardRecord | tuple[int, int]) -> tuple[int, int]:
-    """(size, index crc32c) of a shard from its whole record or its summary."""
-    return (rec.size, rec.index_crc32c) if isinstance(rec, ShardRecord) else rec
+def shard_summary(rec: ShardRecord | tuple[int, ...]) -> tuple[int, int]:
+    """(size, index crc32c) of a shard from its whole record or its summary (with parity
+    groups also the index's start, which :func:`shard_summary` leaves out)."""
+    return (rec.size, rec.index_crc32c) if isinstance(rec, ShardRecord) else (rec[0], rec[1])

@@ -23,10 +23,11 @@ phases live beside it: :mod:`.restore_choose` (inventory, the step), :mod:`.rest
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import mmap
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,7 +44,7 @@ from aegis.errors import (
 )
 from aegis.snapshot.dcp_io import SafeLoadPlanner, ShardReader
 from aegis.snapshot.durable import list_steps, read_manifest
-from aegis.snapshot.manifest import Manifest
+from aegis.snapshot.manifest import Manifest, Redundancy, ShardRecord
 from aegis.snapshot.node_manifest import Layout, StepManifest
 from aegis.snapshot.node_store import NodeStore
 from aegis.snapshot.objstore import ObjectStore
@@ -67,6 +68,7 @@ from aegis.training.restore_fetch import (  # noqa: F401 - re-exported (tests)
 )
 from aegis.training.restore_rebuild import (  # noqa: F401 - re-exported (tests)
     _fold_rebuilds,
+    _rebuild_tails,
     _run_rebuilds,
     _xor_ranges,
 )
@@ -243,7 +245,18 @@ def restore_newest(
                     store.read_manifest(step) if group.rank == src else None, "restore manifest", src=src
                 )
             else:
-                got, why = _assemble_step(store, group, step, is_leader, src)
+                def tails(saved_on: tuple[str, ...], red: Redundancy,
+                          members: Mapping[int, tuple[int, int]],
+                          records: Mapping[int, ShardRecord], missing: list[int], step: int = step,
+                          ) -> tuple[dict[int, ShardRecord], list[str]]:
+                    if transport is None:
+                        return {}, [f"step {step}: no transport to rebuild lost indexes with"]
+                    held, parity_held = _holder_lookups(invs, ranks_of, step)
+                    return _rebuild_tails(store, group, transport, saved_on, step, red, members,
+                                          records, missing, nodes[0],
+                                          functools.partial(_worker, ranks_of), held, parity_held)
+
+                got, why = _assemble_step(store, group, step, is_leader, src, tails)
                 skipped.extend(x for x in why if x not in skipped)
                 if got is None:
                     bad.add(step)
@@ -434,6 +447,24 @@ class _Outcome:
     fetched_bytes: int = 0
 
 
+def _worker(ranks_of: dict[str, list[int]], n: str, s: int) -> int:
+    """The rank of node ``n`` that handles shard ``s`` there (spread over the node's ranks)."""
+    return ranks_of[n][s % len(ranks_of[n])]
+
+
+def _holder_lookups(invs: dict[str, dict[int, _StepInv]], ranks_of: dict[str, list[int]], step: int
+                    ) -> tuple[Callable[[int], list[str]], Callable[[int], list[str]]]:
+    """The nodes holding rank s's shard of ``step``, and those holding its parity file."""
+
+    def holders(s: int) -> list[str]:
+        return [n for n in ranks_of if step in invs.get(n, {}) and s in invs[n][step].shards]
+
+    def parity_holders(s: int) -> list[str]:
+        return [n for n in ranks_of if step in invs.get(n, {}) and s in invs[n][step].parity]
+
+    return holders, parity_holders
+
+
 def _gather_shards(
     store: NodeStore,
     group: Group,
@@ -453,20 +484,14 @@ def _gather_shards(
     load then reads instead of mapping them again."""
     step = manifest.step
     out = _Outcome()
-
-    def holders(s: int) -> list[str]:
-        return [n for n in ranks_of if step in invs.get(n, {}) and s in invs[n][step].shards]
-
-    def parity_holders(s: int) -> list[str]:
-        return [n for n in ranks_of if step in invs.get(n, {}) and s in invs[n][step].parity]
+    holders, parity_holders = _holder_lookups(invs, ranks_of, step)
 
     def rebuildable(s: int) -> bool:
         held = {r for r in range(manifest.world_size) if holders(r)}
         parity = {r for r in range(manifest.world_size) if parity_holders(r)}
         return _rebuild_blocker(manifest.redundancy, s, held, parity) is None
 
-    def worker(n: str, s: int) -> int:
-        return ranks_of[n][s % len(ranks_of[n])]
+    worker = functools.partial(_worker, ranks_of)
 
     # Verify local copies; shard s on node n is checked by one rank of n.
     mine: list[tuple[str, int, str | None]] = []

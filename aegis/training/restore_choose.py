@@ -5,6 +5,9 @@ the inventories are gathered (:mod:`.recovery` orchestrates).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from aegis._dist import Group
@@ -12,8 +15,8 @@ from aegis.errors import (
     IncompatibleSnapshotError,
     ManifestError,
 )
-from aegis.snapshot.manifest import Manifest, Redundancy, ShardRecord
-from aegis.snapshot.node_manifest import Layout, StepManifest, assemble_any
+from aegis.snapshot.manifest import Manifest, ParityGroup, Redundancy, ShardRecord
+from aegis.snapshot.node_manifest import Layout, StepManifest, assemble_any, merge_parity
 from aegis.snapshot.node_store import NodeStore
 
 
@@ -63,7 +66,7 @@ def _inventory(store: NodeStore) -> tuple[dict[int, _StepInv], list[str]]:
                     lnotes: list[str] = []
                     store.read_layout(m.layout, lnotes)  # an intact copy, or not committed here
                     notes.extend(f"step {info.step}: {n}" for n in lnotes)
-                    world, split = m.world_size, True
+                    world, split, red = m.world_size, True, m.parity  # this node's groups
                 else:
                     world, red = m.world_size, m.redundancy
             except IncompatibleSnapshotError:
@@ -98,8 +101,7 @@ def _choose(invs: dict[str, dict[int, _StepInv]], bad: set[int], durable_steps: 
         held = {s for inv in invs.values() if step in inv for s in inv[step].shards}
         missing = [s for s in range(world) if s not in held]
         if missing:
-            red = next((inv[step].redundancy for inv in invs.values()
-                        if step in inv and inv[step].redundancy is not None), None)
+            red = _pooled([inv[step].redundancy for inv in invs.values() if step in inv])
             parity = {p for inv in invs.values() if step in inv for p in inv[step].parity}
             blockers = {s: _rebuild_blocker(red, s, held, parity) for s in missing}
             if any(blockers.values()):
@@ -110,17 +112,41 @@ def _choose(invs: dict[str, dict[int, _StepInv]], bad: set[int], durable_steps: 
     return None, notes
 
 
-def _assemble_step(store: NodeStore, group: Group, step: int, is_leader: bool, src: int
+def _pooled(reds: list[Redundancy | None]) -> Redundancy | None:
+    """Parity groups pooled from several nodes' manifests: each group once (a format-4 node
+    keeps only the groups of its own ranks; a whole manifest has them all)."""
+    found = [r for r in reds if r is not None]
+    if not found:
+        return None
+    groups: dict[tuple[int, ...], ParityGroup] = {}
+    for red in found:
+        for g in red.groups:
+            groups.setdefault(g.members, g)
+    return dataclasses.replace(found[0], groups=tuple(groups.values()))
+
+
+# rebuild_tails(each snapshot rank's node, parity, members' shard records, records found,
+# missing ranks) -> (records, notes)
+RebuildTails = Callable[[tuple[str, ...], Redundancy, Mapping[int, tuple[int, int]],
+                         Mapping[int, ShardRecord], list[int]], tuple[dict[int, ShardRecord], list[str]]]
+
+
+def _assemble_step(store: NodeStore, group: Group, step: int, is_leader: bool, src: int,
+                   rebuild_tails: RebuildTails | None = None,
                    ) -> tuple[tuple[Manifest, tuple[Layout, StepManifest]] | None, list[str]]:
     """The whole manifest of a format-4 step, put together on every rank: the first node that
     committed it sends its layout and step record, every node leader sends the records (from the
-    shards' own crc-checked indexes) of the shards of that step it holds; one all-gather
-    (O(world) records in all: what the whole manifest held, moved once per restore instead of
-    written at every step). A rank whose copies disagree is settled by the step's digest.
+    shards' own crc-checked indexes) of the shards of that step it holds and, with parity groups,
+    its step record's groups; one all-gather (O(world) records in all: what the whole manifest
+    held, moved once per restore instead of written at every step). A rank whose copies
+    disagree is settled by the step's digest. A rank no node holds a shard of (a lost parity
+    group member) gets its record from its index rebuilt from parity (``rebuild_tails``,
+    collective: every rank sees the same gathered records, so all of them call it or none).
     Returns (manifest, (layout, step record)) or None, and notes on the copies passed over."""
     parts: tuple[Layout, StepManifest] | None = None
     records: dict[int, ShardRecord] = {}
     notes: list[str] = []
+    own: StepManifest | None = None
     if is_leader:
         info = next((i for i in store.steps() if i.step == step), None)
         for r in info.shard_ranks if info is not None else ():
@@ -129,6 +155,10 @@ def _assemble_step(store: NodeStore, group: Group, step: int, is_leader: bool, s
             except (OSError, ManifestError) as e:  # this copy's index is damaged: others may do
                 notes.append(f"step {step}: index of rank {r}'s shard on node store {store.dir} "
                              f"skipped: {e}")
+        if info is not None and info.committed:
+            with contextlib.suppress(ManifestError):  # its groups, if it has any (others may)
+                m = store.read_node_manifest(step)
+                own = m if isinstance(m, StepManifest) and m.parity is not None else None
     if group.rank == src:
         try:
             m = store.read_node_manifest(step)
@@ -136,18 +166,27 @@ def _assemble_step(store: NodeStore, group: Group, step: int, is_leader: bool, s
             parts = (store.read_layout(m.layout), m)
         except (ManifestError, AssertionError) as e:
             notes.append(f"step {step}: manifest on node store {store.dir} unreadable: {e}")
-    gathered = group.all_gather((parts, records, notes), "restore records")
-    found = next((p for p, _, _ in gathered if p is not None), None)
-    why = [n for _, _, ns in gathered for n in ns]
+    gathered = group.all_gather((parts, records, notes, own), "restore records")
+    found = next((p for p, _, _, _ in gathered if p is not None), None)
+    why = [n for _, _, ns, _ in gathered for n in ns]
     if found is None:
         return None, why or [f"step {step}: no readable format-4 manifest"]
     candidates: dict[int, list[ShardRecord]] = {}
-    for _, recs, _ in gathered:
+    for _, recs, _, _ in gathered:
         for r, rec in recs.items():
             candidates.setdefault(r, []).append(rec)
     layout, stepm = found
+    red, members = merge_parity([stepm, *(o for _, _, _, o in gathered if o is not None)])
+    missing = [r for r in range(stepm.world_size) if r not in candidates]
+    if missing and red is not None and rebuild_tails is not None \
+            and all(r in members for r in missing):
+        got, more = rebuild_tails(layout.nodes, red, members, {r: c[0] for r, c in candidates.items()},
+                                  missing)
+        why.extend(more)
+        for r, rec in got.items():
+            candidates[r] = [rec]
     try:
-        manifest = assemble_any(layout, stepm, candidates, where=f"step {step}")
+        manifest = assemble_any(layout, stepm, candidates, where=f"step {step}", redundancy=red)
     except ManifestError as e:
         return None, [*why, f"step {step}: {e}"]
     return (manifest, found), why

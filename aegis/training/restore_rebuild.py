@@ -6,10 +6,11 @@ the survivors (issue 40), verified on arrival.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import mmap
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -18,6 +19,7 @@ import torch
 from aegis._dist import Group
 from aegis.errors import (
     CorruptShardError,
+    ManifestError,
 )
 from aegis.snapshot.erasure import (
     StripeLayout,
@@ -27,9 +29,13 @@ from aegis.snapshot.erasure import (
     xor_into,
 )
 from aegis.snapshot.manifest import (
+    ChunkRecord,
     Manifest,
+    Redundancy,
+    ShardRecord,
 )
 from aegis.snapshot.node_store import NodeStore, Slot
+from aegis.snapshot.shard import FOOTER_SIZE, decode_footer, decode_index
 from aegis.snapshot.transport import Recv, Send, Transport
 from aegis.training.restore_fetch import (
     REBUILD,
@@ -51,8 +57,15 @@ def _run_rebuilds(
     worker: Callable[[str, int], int],
     holders: Callable[[int], list[str]],
     parity_holders: Callable[[int], list[str]],
+    *,
+    tails: dict[int, ShardRecord] | None = None,
 ) -> list[tuple[int, str, str, str | None, int, float, bool]]:
     """Rebuild lost shards from their parity groups (collective, like a transfer round).
+
+    With ``tails``, each job's ``manifest`` record of the lost shard is a skeleton (its size,
+    index crc32c and one chunk ending where its index starts) and only the index and footer are
+    rebuilt: the receiver checks the index against the crc32c and puts the shard's record in
+    ``tails`` (:func:`_rebuild_tails`).
 
     For each job (shard ``s`` for node ``dst``, the chunks its DCP plan reads), only what
     covers the byte runs of those chunks plus the shard's index is rebuilt. XOR: each run is
@@ -229,7 +242,7 @@ def _run_rebuilds(
         todo[(plans[k][0], dst)] = (sums, received.get(k, 0))
     try:
         secs = time.perf_counter() - t0
-        return _fold_rebuilds(store, manifest, plans, todo, worker, me, secs)
+        return _fold_rebuilds(store, manifest, plans, todo, worker, me, secs, tails)
     finally:
         inbox.clear()
         todo.clear()
@@ -291,7 +304,8 @@ def _rs_ranges(layout: StripeLayout, x: int, runs: list[tuple[int, int]], lost: 
 
 def _fold_rebuilds(store: NodeStore, manifest: Manifest, plans: list[Any],
                    todo: dict[tuple[int, str], tuple[list[tuple[int, torch.Tensor]], int]],
-                   worker: Callable[[str, int], int], me: int, secs: float
+                   worker: Callable[[str, int], int], me: int, secs: float,
+                   tails: dict[int, ShardRecord] | None = None,
                    ) -> list[tuple[int, str, str, str | None, int, float, bool]]:
     """The receiving side of :func:`_run_rebuilds`: the rebuilt pieces (XOR: the bytes of a
     run; RS: a whole segment, cut at the shard's end) written into a sparse partial file, and
@@ -323,8 +337,11 @@ def _fold_rebuilds(store: NodeStore, manifest: Manifest, plans: list[Any],
                 for pos, piece in pieces:
                     n = min(piece.numel(), rec.size - pos)
                     mem[pos:pos + n] = memoryview(piece.numpy())[:n]  # type: ignore[arg-type]
-                _check_partial(mem, rec, step, wanted,
-                               f"{code} rebuild from parity group {list(g.members)}")
+                where = f"{code} rebuild from parity group {list(g.members)}"
+                if tails is None:
+                    _check_partial(mem, rec, step, wanted, where)
+                else:
+                    tails[s] = _rebuilt_record(mem, rec, step, where)
         except CorruptShardError as e:
             err = str(e)
         except Exception as e:  # noqa: BLE001 - e.g. a full tmpfs: the next source is tried
@@ -332,8 +349,77 @@ def _fold_rebuilds(store: NodeStore, manifest: Manifest, plans: list[Any],
         finally:
             if slot is not None:
                 slot.close()
-        if err is not None:
+        if err is not None or tails is not None:  # a rebuilt index alone loads nothing
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
         results.append((s, REBUILD, dst, err, nbytes, secs, True))
     return results
+
+
+def _rebuilt_record(mem: memoryview, rec: ShardRecord, step: int, where: str) -> ShardRecord:
+    """The record of a shard from its rebuilt index and footer: the index must pass its
+    footer's crc32c, start where the step records, and name that step and rank (its size and
+    crc32c are then checked with every rank's against the step's digest, by the assembly)."""
+    size = len(mem)
+    try:
+        start, icrc = decode_footer(bytes(mem[size - FOOTER_SIZE:]), size=size, where=where)
+        expected = rec.chunks[-1].offset + rec.chunks[-1].length if rec.chunks else 0
+        if start != expected:
+            raise ManifestError(f"{where}: the rebuilt footer puts the index at byte {start}, the "
+                                f"step records {expected}")
+        index = decode_index(bytes(mem[start:size - FOOTER_SIZE]), crc=icrc, size=size, where=where)
+    except ManifestError as e:
+        raise CorruptShardError(f"index of rank {rec.rank}'s shard at step {step}: {e}", step=step,
+                                rank=rec.rank, where=where) from e
+    if (index.step, index.rank) != (step, rec.rank):
+        raise CorruptShardError(f"{where}: the rebuilt index is of rank {index.rank} at step "
+                                f"{index.step}", step=step, rank=rec.rank, where=where)
+    return ShardRecord(rec.rank, "", size, icrc, index.chunks, index.items)
+
+
+def _rebuild_tails(
+    store: NodeStore,
+    group: Group,
+    transport: Transport,
+    layout_nodes: Sequence[str],
+    step: int,
+    red: Redundancy,
+    members: Mapping[int, tuple[int, int]],
+    records: Mapping[int, ShardRecord],
+    missing: list[int],
+    dst: str,
+    worker: Callable[[str, int], int],
+    holders: Callable[[int], list[str]],
+    parity_holders: Callable[[int], list[str]],
+) -> tuple[dict[int, ShardRecord], list[str]]:
+    """The records of lost shards of a format-4 step with parity groups (collective): no
+    surviving node holds their indexes, so each one's index and footer (its bytes from the
+    index start the step records to its end) are rebuilt from its group like any byte run,
+    received on node ``dst``, checked against its footer's crc32c and decoded; every rank gets
+    the records (which the assembly then checks against the step's digest). Costs a rebuild of O(index) bytes per lost shard, rounds <=
+    the group's members; nothing per step."""
+    shards = []
+    for r in range(len(layout_nodes)):
+        if r in records:
+            shards.append(dataclasses.replace(records[r], rank=r, node=layout_nodes[r]))
+        elif r in members:
+            size, start = members[r]  # one chunk that ends where its index starts: the
+            chunks = (ChunkRecord(0, start, 0),) if start > 0 else ()  # rebuild reads the rest
+            shards.append(ShardRecord(r, layout_nodes[r], size, 0, chunks, ()))
+        else:
+            shards.append(ShardRecord(r, layout_nodes[r], 0, 0, (), ()))
+    skeleton = Manifest(job=store.job, step=step, world_size=len(layout_nodes), shards=tuple(shards),
+                        entries={}, redundancy=red)
+    rebuilt: dict[int, ShardRecord] = {}
+    jobs: list[tuple[int, str, str, set[int] | None]] = [(s, REBUILD, dst, set()) for s in missing]
+    results = _run_rebuilds(store, group, transport, skeleton, jobs, worker, holders,
+                            parity_holders, tails=rebuilt)
+    out = [(r, rebuilt.get(r), err) for r, _, _, err, _, _, _ in results]
+    records_out: dict[int, ShardRecord] = {}
+    notes = []
+    for r, rec, err in (x for xs in group.all_gather(out, "rebuild indexes") for x in xs):
+        if rec is not None:
+            records_out[r] = rec
+        elif err is not None:
+            notes.append(f"step {step}: the index of rank {r}'s shard could not be rebuilt: {err}")
+    return records_out, notes
