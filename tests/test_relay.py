@@ -161,6 +161,17 @@ def test_a_relay_that_leaves_hands_the_node_to_another(store: dist.TCPStore, tmp
 
 
 @pytest.mark.quick
+def test_jobs_relay_by_default_from_512_processes_unless_the_environment_says() -> None:
+    from aegis.training.inprocess.loop import RELAY_FROM, relay_by_default
+
+    assert RELAY_FROM == 512
+    assert not relay_by_default(6, None) and not relay_by_default(511, "")
+    assert relay_by_default(512, None) and relay_by_default(16384, None)
+    assert relay_by_default(6, "1") and relay_by_default(6, "yes")
+    assert not relay_by_default(16384, "0") and not relay_by_default(16384, "off")
+
+
+@pytest.mark.quick
 def test_the_last_process_of_a_node_removes_its_relay(tmp_path: Path) -> None:
     root = tmp_path / "job"
     a = NodeRelay(root, "n", "n/0/1", stale_s=1.0)

@@ -337,7 +337,9 @@ def restore_newest(
             # a replacement node now holds the step too; a damaged copy here is replaced
             if mine is None or not mine.committed:
                 if split_parts is not None:  # format 4: its layout, then its step record
-                    store.write_manifest(split_parts[1], split_parts[0])
+                    held = [s for s in range(manifest.world_size)
+                            if store.shard_path(step, s).exists()]  # (parity: their groups)
+                    store.write_manifest(split_parts[1].for_ranks(held), split_parts[0])
                 else:
                     store.write_manifest(manifest)
     _cleanup(store, is_leader, keep_step=step, bad=bad)

@@ -189,4 +189,6 @@ def _assemble_step(store: NodeStore, group: Group, step: int, is_leader: bool, s
         manifest = assemble_any(layout, stepm, candidates, where=f"step {step}", redundancy=red)
     except ManifestError as e:
         return None, [*why, f"step {step}: {e}"]
+    if red is not None:  # the pooled groups: a node that now holds the step keeps its own
+        found = (layout, dataclasses.replace(stepm, parity=red, members=members))
     return (manifest, found), why
