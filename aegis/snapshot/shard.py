@@ -279,6 +279,7 @@ def decode_footer(footer: bytes, *, size: int, where: str) -> tuple[int, int]:
 
 _INDEX_CACHE_SIZE = 16
 _indexes: dict[tuple[bytes, int, int], ShardIndex] = {}  # (blake2b of the body, crc, size) -> index
+_indexes_lock = threading.Lock()
 
 
 def decode_index(body: bytes, *, crc: int, size: int, where: str) -> ShardIndex:
@@ -292,14 +293,16 @@ def decode_index(body: bytes, *, crc: int, size: int, where: str) -> ShardIndex:
     import hashlib
 
     key = (hashlib.blake2b(body, digest_size=16).digest(), crc, size)
-    hit = _indexes.pop(key, None)
-    if hit is not None:
-        _indexes[key] = hit  # most recently used last
-        return hit
+    with _indexes_lock:  # restores, uploads and the reading layer decode from several threads
+        hit = _indexes.pop(key, None)
+        if hit is not None:
+            _indexes[key] = hit  # most recently used last
+            return hit
     index = _decode_index(body, crc=crc, size=size, where=where)
-    while len(_indexes) >= _INDEX_CACHE_SIZE:
-        _indexes.pop(next(iter(_indexes)))
-    _indexes[key] = index
+    with _indexes_lock:
+        while len(_indexes) >= _INDEX_CACHE_SIZE:
+            _indexes.pop(next(iter(_indexes)))
+        _indexes[key] = index
     return index
 
 

@@ -62,10 +62,10 @@ def _run_rebuilds(
 ) -> list[tuple[int, str, str, str | None, int, float, bool]]:
     """Rebuild lost shards from their parity groups (collective, like a transfer round).
 
-    With ``tails``, each job's ``manifest`` record of the lost shard is a skeleton (its size,
-    index crc32c and one chunk ending where its index starts) and only the index and footer are
-    rebuilt: the receiver checks the index against the crc32c and puts the shard's record in
-    ``tails`` (:func:`_rebuild_tails`).
+    With ``tails``, each job's ``manifest`` record of the lost shard is a skeleton (its size and
+    one chunk ending where its index starts) and only the index and footer are rebuilt: the
+    receiver checks them (:func:`_rebuilt_record`) and puts the shard's record in ``tails``
+    (:func:`_rebuild_tails`).
 
     For each job (shard ``s`` for node ``dst``, the chunks its DCP plan reads), only what
     covers the byte runs of those chunks plus the shard's index is rebuilt. XOR: each run is
