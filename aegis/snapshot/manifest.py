@@ -47,22 +47,10 @@ if TYPE_CHECKING:  # Commit's fields (format 4 builds on this module)
     from aegis.snapshot.node_manifest import Layout, StepManifest
 
 __all__ = [
-    "FORMAT_VERSION",
-    "MAX_WORLD_SIZE",
-    "ChunkRecord",
-    "ItemRecord",
-    "ShardRecord",
-    "TensorEntry",
-    "BytesEntry",
-    "Manifest",
-    "ShardLocation",
-    "ParityGroup",
-    "Redundancy",
-    "STATE_KINDS",
-    "dtype_name",
-    "dtype_from_name",
-    "NODE_FORMAT_VERSION",
-    "Commit",
+    "FORMAT_VERSION", "MAX_WORLD_SIZE", "NODE_FORMAT_VERSION", "STATE_KINDS",
+    "ChunkRecord", "ItemRecord", "ShardRecord", "TensorEntry", "BytesEntry", "Manifest",
+    "ShardLocation", "ParityGroup", "Redundancy", "Commit",
+    "dtype_name", "dtype_from_name", "redundancy_to_doc",
 ]
 
 FORMAT_VERSION = 3  # 2: manifest checksum, per-rank state kinds; 3: parity groups
@@ -445,22 +433,18 @@ class Manifest:
 
 
 def redundancy_to_doc(red: Redundancy) -> dict[str, Any]:
-    """The JSON document of parity groups (a whole manifest's ``redundancy``; a format-4 step
-    record's ``parity``)."""
-    return {
-        "scheme": red.scheme,
-        "groups": [{"members": list(g.members), "segment_size": g.segment_size,
-                    "parity_crc32c": list(g.parity_crc32c)}
-                   | ({"parity_size": g.parity_size} if g.parity_size >= 0 else {})
-                   for g in red.groups],
-    } | ({"parity": red.parity, "ec_type": red.ec_type} if red.scheme == "rs" else {})
+    """Parity groups as JSON (a whole manifest's ``redundancy``, a step record's ``parity``)."""
+    groups = [{"members": list(g.members), "segment_size": g.segment_size,
+               "parity_crc32c": list(g.parity_crc32c)}
+              | ({"parity_size": g.parity_size} if g.parity_size >= 0 else {}) for g in red.groups]
+    rs = {"parity": red.parity, "ec_type": red.ec_type} if red.scheme == "rs" else {}
+    return {"scheme": red.scheme, "groups": groups} | rs
 
 
 def _redundancy_from_doc(p: _Parser, doc: Any, shards: Sequence[ShardRecord] | Mapping[int, int]
                          ) -> Redundancy:
-    """Parity groups, checked against the shards (or each rank's shard size): every member a
-    rank of the snapshot, in one group at most, and the segment size the one its members' shard
-    sizes give (so a damaged record cannot make a rebuild read the wrong bytes)."""
+    """Parity groups, checked against the shards (or each rank's size): every member a rank, in
+    one group at most, the segment size its members' sizes give (no rebuild of wrong bytes)."""
     d = p.obj(doc, "redundancy")
     p.fields(d, "redundancy", required={"scheme", "groups"}, optional={"parity", "ec_type"})
     scheme = p.str_(d["scheme"], "redundancy.scheme")
