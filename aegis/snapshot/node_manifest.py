@@ -39,7 +39,7 @@ from aegis.snapshot.manifest import (
 )
 
 __all__ = ["Layout", "StepManifest", "shards_digest", "assemble", "assemble_any", "split", "load_node_manifest",
-           "merge_parity"]
+           "merge_parity", "pool_groups"]
 
 
 #
@@ -252,26 +252,28 @@ class StepManifest:
                    parity=parity, members=members)
 
 
+def pool_groups(reds: Sequence[Redundancy | None]) -> Redundancy | None:
+    """Parity groups pooled from several nodes' records: every group once (the first that has
+    it), so a lost node's groups come from its surviving members' nodes (a format-4 node keeps
+    only its own groups; a whole manifest has them all)."""
+    found = [r for r in reds if r is not None]
+    if not found:
+        return None
+    groups: dict[tuple[int, ...], Any] = {}
+    for red in found:
+        for g in red.groups:
+            groups.setdefault(g.members, g)
+    return dataclasses.replace(found[0], groups=tuple(groups.values()))
+
+
 def merge_parity(records: Sequence[StepManifest]) -> tuple[Redundancy | None,
                                                             dict[int, tuple[int, int]]]:
-    """The parity groups and member shard records of one step pooled from several nodes'
-    records (each keeps its own groups): every group once (the first record that has it), so
-    a lost node's groups come from its surviving members' nodes."""
-    red: Redundancy | None = None
-    groups: dict[tuple[int, ...], Any] = {}
+    """:func:`pool_groups` of several nodes' step records, with their members' shard records."""
     members: dict[int, tuple[int, int]] = {}
     for m in records:
-        if m.parity is None:
-            continue
-        red = red or m.parity
-        for g in m.parity.groups:
-            if g.members not in groups:
-                groups[g.members] = g
-                for r in g.members:
-                    members.setdefault(r, m.members[r])
-    if red is None:
-        return None, {}
-    return dataclasses.replace(red, groups=tuple(groups.values())), members
+        for r, v in m.members.items():
+            members.setdefault(r, v)
+    return pool_groups([m.parity for m in records]), members
 
 
 def load_node_manifest(text: str | bytes, *, where: str) -> Manifest | StepManifest:

@@ -15,8 +15,14 @@ from aegis.errors import (
     IncompatibleSnapshotError,
     ManifestError,
 )
-from aegis.snapshot.manifest import Manifest, ParityGroup, Redundancy, ShardRecord
-from aegis.snapshot.node_manifest import Layout, StepManifest, assemble_any, merge_parity
+from aegis.snapshot.manifest import Manifest, Redundancy, ShardRecord
+from aegis.snapshot.node_manifest import (
+    Layout,
+    StepManifest,
+    assemble_any,
+    merge_parity,
+    pool_groups,
+)
 from aegis.snapshot.node_store import NodeStore
 
 
@@ -101,7 +107,7 @@ def _choose(invs: dict[str, dict[int, _StepInv]], bad: set[int], durable_steps: 
         held = {s for inv in invs.values() if step in inv for s in inv[step].shards}
         missing = [s for s in range(world) if s not in held]
         if missing:
-            red = _pooled([inv[step].redundancy for inv in invs.values() if step in inv])
+            red = pool_groups([inv[step].redundancy for inv in invs.values() if step in inv])
             parity = {p for inv in invs.values() if step in inv for p in inv[step].parity}
             blockers = {s: _rebuild_blocker(red, s, held, parity) for s in missing}
             if any(blockers.values()):
@@ -110,19 +116,6 @@ def _choose(invs: dict[str, dict[int, _StepInv]], bad: set[int], durable_steps: 
                 continue
         return step, notes
     return None, notes
-
-
-def _pooled(reds: list[Redundancy | None]) -> Redundancy | None:
-    """Parity groups pooled from several nodes' manifests: each group once (a format-4 node
-    keeps only the groups of its own ranks; a whole manifest has them all)."""
-    found = [r for r in reds if r is not None]
-    if not found:
-        return None
-    groups: dict[tuple[int, ...], ParityGroup] = {}
-    for red in found:
-        for g in red.groups:
-            groups.setdefault(g.members, g)
-    return dataclasses.replace(found[0], groups=tuple(groups.values()))
 
 
 # rebuild_tails(each snapshot rank's node, parity, members' shard records, records found,
