@@ -141,7 +141,7 @@ class _Member:
                             fenceable=self._fenceable, store=self.hb_store,
                             start=not p["drivers"], relay=relay)
         self.m = Membership(self.store, uid, self.hb, dead_after_s=p["dead_after"],
-                            form_timeout_s=p["form_timeout"], min_world=1)
+                            form_timeout_s=p["form_timeout"], min_world=1, relay=relay)
         self.rounds: list[dict[str, Any]] = []
         self.excluded: float | None = None
 
@@ -461,11 +461,19 @@ class _Run:
             everyone = list(range(len(self.procs)))
             conn = self._wait(everyone, "connected", lambda m: True, 120 + self.world / 20)
             out["connect_s"] = max(m[1] for m in conn.values())
-            t_go = time.time()
+            t_go, cpu_go = time.time(), _cpu_s(self.store.pid)
             for i in everyone:
                 self.conns[i].send(("go",))
             formed = self._wait(everyone, "round", lambda m: m[1] == 0, 60 + self.world / 10)
             out["first_round_s"] = max(m[2] for m in formed.values()) - t_go
+            # the store's serial work in the first round (the members' beats during it included)
+            out["first_round_store_cpu_s"] = _cpu_s(self.store.pid) - cpu_go
+            if not self.baseline:
+                rep = self._ask(everyone, "report", reply="report")
+                first = [x["requests"] for i in everyone for m in rep[i][1]
+                         for x in m["rounds"] if x["r"] == 0]
+                out["first_round_requests"] = {"total": sum(first), "per_member": _stats(
+                    [float(x) for x in first])}
             # a job's processes each parse the first round's list on a CPU of their own; here
             # thousands of members parse it at once on this machine's cores, which can hold their
             # beats back for a second: declarations are armed once that is over (after which every
@@ -672,9 +680,97 @@ def section_membership(args: argparse.Namespace) -> dict[str, Any]:
 
 def section_relay(args: argparse.Namespace) -> dict[str, Any]:
     """The membership section's harness with every member beating through its node's relay
-    (issue 40, ``aegis/training/inprocess/relay.py``): the same phases and numbers."""
+    (issue 40, ``aegis/training/inprocess/relay.py``): the same phases and numbers, and what
+    one process computes in a first round of 16,384 (measured at that size)."""
+    work = _first_round_work(PROJECT_TO[-1])
     runs, stopped = _grow(args, _member_ctx(), args.relay_sizes, "relay", relay=True)
-    return _relay_result(_membership_result(args, runs, [], stopped, label="node relay (issue 40)"))
+    out = _membership_result(args, runs, [], stopped, label="node relay (issue 40)")
+    out["first_round_work"] = work
+    return _relay_result(out)
+
+
+class _DictStore:
+    """The few store operations a proposer and a member make in a first round, on a dict: the
+    processes' own work, timed without a store."""
+
+    def __init__(self) -> None:
+        self.kv: dict[str, bytes] = {}
+
+    def get(self, key: str) -> bytes:
+        return self.kv[key]
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self.kv[key] = value.encode() if isinstance(value, str) else value
+
+    def compare_set(self, key: str, expected: str, desired: str | bytes) -> bytes:
+        if self.kv.get(key, b"") == expected.encode():
+            self.set(key, desired)
+        return self.kv[key]
+
+    def add(self, key: str, n: int) -> int:
+        self.kv[key] = str(int(self.kv.get(key, b"0")) + n).encode()
+        return int(self.kv[key])
+
+
+def _first_round_work(n: int, repeats: int = 5) -> dict[str, Any]:
+    """One process's own work in a first round of ``n`` members (8 per node), the real code on
+    a :class:`_DictStore`, best of ``repeats``: the proposer reads the join log and writes the
+    record (``Membership._joined`` + ``_write``); a member decodes the record and finds its ring
+    successors (``_read`` + ``successors``, the ring not cached)."""
+    import json as _json
+    import random
+
+    from aegis.training.inprocess.heartbeat import _ring, successors
+    from aegis.training.inprocess.layout import _natural
+    from aegis.training.inprocess.membership import Membership
+
+    rnd = random.Random(40)
+    uids = [f"node-{k // 8:05d}/{k % 8}/{rnd.randrange(1000, 4_000_000)}" for k in range(n)]
+    rnd.shuffle(uids)  # joined in no order
+    log = "".join(_json.dumps({"u": u, "j": 0}) + "\n" for u in uids).encode()
+    best = {"proposer_s": math.inf, "member_s": math.inf}
+    size = 0
+    for _ in range(repeats):
+        st = _DictStore()
+        st.kv["aegis/round/0/joined"] = log
+        m = Membership(st, uids[0], None, dead_after_s=1.0,  # type: ignore[arg-type]
+                       form_timeout_s=60.0, min_world=1)
+        _natural.cache_clear()  # cold, as a proposer's one sort is
+        t0 = time.perf_counter()
+        m._write(0, None, m._joined(0))
+        t1 = time.perf_counter()
+        _ring.cache_clear()
+        members = m._read(0)[0]
+        successors(members, uids[-1], 2)
+        t2 = time.perf_counter()
+        assert len(members) == n
+        size = len(st.kv["aegis/round/0/members"])
+        best = {"proposer_s": min(best["proposer_s"], t1 - t0),
+                "member_s": min(best["member_s"], t2 - t1)}
+    return {"members": n, "record_bytes": size, "json_bytes": len(_json.dumps(sorted(uids))), **best}
+
+
+def _first_round_model(out: dict[str, Any]) -> dict[str, Any] | None:
+    """The first round at 16,384 members as a job runs it: the store's serial work (its CPU in
+    the first round, fitted and projected), one proposer's and one member's own work (measured
+    at that size: each process has a CPU of its own in a job, where the simulation runs
+    thousands on 2 cores), and the protocol's round trips (the smallest size's first round)."""
+    work = out.get("first_round_work")
+    cpu = next((s for s in out["series"] if s["panel"] == "first round: the store's CPU (s)"), None)
+    firsts = [(r["world"], r["first_round_s"]) for r in out["runs"] if _ok(r)]
+    if not work or cpu is None or not firsts:
+        return None
+    ab = fit_loglog(*larger_half(*_usable(cpu)))
+    if ab is None:
+        return None
+    a, b = ab
+    n = work["members"]
+    store_s = math.exp(a) * n ** b
+    trips_s = min(firsts)[1]
+    total = store_s + work["proposer_s"] + work["member_s"] + trips_s
+    return {"members": n, "store_cpu_s": store_s, "store_cpu_exponent": b,
+            "proposer_s": work["proposer_s"], "member_s": work["member_s"],
+            "round_trips_s": trips_s, "total_s": total}
 
 
 def _relay_result(out: dict[str, Any]) -> dict[str, Any]:
@@ -686,6 +782,22 @@ def _relay_result(out: dict[str, Any]) -> dict[str, Any]:
         "in one process, a one-off measurement): thousands of members as threads on this "
         "machine's 2 cores run out of CPU sooner than beating directly, which is where the sizes "
         "stop here; in a job each process has a CPU of its own.")
+    model = _first_round_model(out)
+    if model:
+        out["first_round_model"] = model
+        w = out["first_round_work"]
+        out["notes"].append(
+            f"First round at {model['members']:,} members, as a job runs it: the store's serial work "
+            f"{model['store_cpu_s']:.2f} s (its CPU in the first round, measured per size with the "
+            f"members' beats, fitted O(world^{model['store_cpu_exponent']:.2f}) and projected) + the "
+            f"proposer's own work {model['proposer_s']:.3f} s + a member's {model['member_s']:.3f} s "
+            f"(both measured at {model['members']:,}: the join log read, the record "
+            f"{w['record_bytes']:,} B compressed from {w['json_bytes']:,} B of JSON written; the "
+            f"record read, decoded and the ring found) + the protocol's round trips "
+            f"{model['round_trips_s']:.2f} s (the smallest size's first round) = "
+            f"{model['total_s']:.2f} s. The simulation's own first round (its panel) runs every "
+            "member's decoding on this machine's 2 cores at once, so it grows with the world where "
+            "a job's does not.")
     return out
 
 
@@ -782,6 +894,11 @@ def _membership_result(args: argparse.Namespace, runs: list[dict[str, Any]],
          "x": xs(good), "y": [r["first_round_s"] for r in good], "unit": "s", "project": True,
          "per": "once per job"},
     ]
+    cpu = [r for r in good if r.get("first_round_store_cpu_s") is not None]
+    if cpu:  # runs recorded before issue 40's first-round change did not measure it
+        series.append({"panel": "first round: the store's CPU (s)", "label": label, "x": xs(cpu),
+                       "y": [max(1e-3, r["first_round_store_cpu_s"]) for r in cpu], "unit": "s",
+                       "project": True, "per": "once per job"})
     rows = []
     for r in runs:
         s, fk = r.get("steady", {}), r.get("faults", {})
@@ -893,8 +1010,11 @@ def _rebuild_membership(sec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _rebuild_relay(sec: dict[str, Any]) -> dict[str, Any]:
-    return _relay_result(_membership_result(_stored_args(sec["params"]), sec["runs"], [],
-                                            _stopped(sec["runs"]), label="node relay (issue 40)"))
+    out = _membership_result(_stored_args(sec["params"]), sec["runs"], [], _stopped(sec["runs"]),
+                             label="node relay (issue 40)")
+    if "first_round_work" in sec:
+        out["first_round_work"] = sec["first_round_work"]
+    return _relay_result(out)
 
 
 # sections whose derived parts (series, table, notes) can be rebuilt from their stored runs

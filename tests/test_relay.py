@@ -6,10 +6,14 @@ TCPStore clients, one per member as in a job, their relays in a temporary direct
 
 from __future__ import annotations
 
+import fcntl
+import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch.distributed as dist
@@ -226,3 +230,82 @@ def test_a_store_restart_under_the_relay_reseeds_every_process_and_declares_nobo
     finally:
         for h in hbs.values():
             h.stop()
+
+
+class _KeyCounts:
+    """A store client that counts ``get`` requests by key (the first round's fan-out)."""
+
+    def __init__(self, port: int, gets: dict[str, int]) -> None:
+        self.store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                                   timeout=timedelta(seconds=30))
+        self.gets = gets
+
+    def get(self, key: str) -> bytes:
+        self.gets[key] = self.gets.get(key, 0) + 1
+        return self.store.get(key)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+
+def test_a_first_round_list_is_read_from_the_store_once_per_node(
+        store: dist.TCPStore, tmp_path: Path) -> None:
+    """Six members on two nodes form a first round through their relays: every member gets the
+    same list, and the round's record (the whole list, compressed once it is long) is read from
+    the store by one process per node; the others read the node's copy."""
+    from aegis.training.inprocess.membership import Membership
+    from aegis.training.inprocess.records import decode_record
+
+    # long uids: the whole list is past records.COMPRESS_FROM, so it is stored compressed
+    uids = [u.replace("/", "-" + "x" * 700 + "/", 1) for u in ALL]
+    gets: dict[str, int] = {}
+    hbs = [_hb(store.port, tmp_path, u) for u in uids]
+    ms = [Membership(_KeyCounts(store.port, gets), u, h, dead_after_s=5.0, form_timeout_s=30.0,
+                     min_world=1, relay=h._relay) for u, h in zip(uids, hbs, strict=True)]
+    out: dict[str, list[str]] = {}
+    threads = [threading.Thread(target=lambda m=m: out.__setitem__(m.uid, m.form(0, None, 6)[0]))
+               for m in ms]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert len(out) == 6 and all(v == sorted(uids) for v in out.values()), out
+        assert gets.get("aegis/round/0/members") == 2, gets  # one per node, not one per member
+        raw = store.get("aegis/round/0/members")
+        assert raw[:4] == b"\x28\xb5\x2f\xfd" and decode_record(raw)["members"] == sorted(uids)
+    finally:
+        for h in hbs:
+            h.stop()
+
+
+def test_a_shared_record_is_of_its_store_epoch_and_a_frozen_fetcher_is_not_waited_for(
+        tmp_path: Path) -> None:
+    a = NodeRelay(tmp_path, "n", "n/0/1", stale_s=1.0)
+    b = NodeRelay(tmp_path, "n", "n/1/2", stale_s=1.0)
+    fetched: list[str] = []
+
+    def fetch(v: bytes) -> Callable[[], bytes]:
+        return lambda: (fetched.append(v.decode()), v)[1]
+
+    try:
+        assert a.shared("epoch-1", 3, "members", fetch(b"one")) == b"one"
+        assert b.shared("epoch-1", 3, "members", fetch(b"two")) == b"one"  # the node's copy
+        # the store restarted empty (a new epoch): its round 3 is read, never the old copy
+        assert b.shared("epoch-2", 3, "members", fetch(b"three")) == b"three"
+        assert fetched == ["one", "three"]
+        # a process holding the fetch lock and not writing (frozen): read the store after wait_s
+        fd = os.open(a.dir / "fetch.lock", os.O_RDWR)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            assert b.shared("epoch-2", 4, "members", fetch(b"four"), wait_s=0.2) == b"four"
+        finally:
+            os.close(fd)
+        # old rounds and other epochs are removed as new records are written
+        a.shared("epoch-2", 9, "members", fetch(b"nine"))
+        left = [p.name for p in a.dir.glob("rec-*")]
+        assert len(left) == 1 and "-9-members-" in left[0], left
+    finally:
+        a.close()
+        b.close()
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())

@@ -8,7 +8,6 @@ process with the production heartbeat and round formation behind reconnecting cl
 from __future__ import annotations
 
 import errno
-import json
 import os
 import signal
 import subprocess
@@ -25,6 +24,7 @@ import pytest
 import torch.distributed as dist
 
 from aegis.training.inprocess.membership import Heartbeat, Membership
+from aegis.training.inprocess.records import decode_record
 from aegis.training.inprocess.round import RecoveryGaveUp
 from aegis.training.inprocess.storeclient import StoreClient, StoreUnreachable, reseed
 from tests.chaos.tcp_proxy import TcpProxy
@@ -206,7 +206,7 @@ def test_the_store_restarted_empty_while_a_round_runs(server: _Server) -> None:
     while not probe.check(["aegis/round/0/members"]):
         assert time.monotonic() < deadline, "no member re-seeded the restarted store"
         time.sleep(0.05)
-    record = json.loads(probe.get("aegis/round/0/members").decode())
+    record = decode_record(probe.get("aegis/round/0/members"))
     assert record["members"] == first[0]
     new_epoch = probe.get("aegis/epoch").decode()  # a new epoch: later reconnects see it too
     assert new_epoch != epoch

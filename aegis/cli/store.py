@@ -83,7 +83,9 @@ def _count(s: Any, key: str) -> int:
 def _members_of(s: Any, r: int, base: list[str] | None) -> list[str]:
     """Round ``r``'s members in rank order: the record is the whole list, or the change from
     round ``r - 1`` (``base``, when known here), else the proposer's whole list beside it."""
-    record = json.loads(s.get(f"aegis/round/{r}/members").decode())
+    from aegis.training.inprocess.records import decode_record
+
+    record = decode_record(s.get(f"aegis/round/{r}/members"))
     if "members" in record:
         return list(record["members"])
     if base is not None and int(record.get("base", -1)) == r - 1:
@@ -91,7 +93,7 @@ def _members_of(s: Any, r: int, base: list[str] | None) -> list[str]:
         out = [u for u in base if u not in removed] + list(record["added"])
         if len(out) == int(record["size"]):
             return out
-    return list(json.loads(s.get(f"aegis/round/{r}/list/{record['by']}").decode()))
+    return list(decode_record(s.get(f"aegis/round/{r}/list/{record['by']}")))
 
 
 def read_state(s: Any) -> dict[str, Any]:

@@ -833,14 +833,15 @@ class Campaign:
         """(node, pid) of every process of the newest round formed, read from the membership
         store as its processes read it (the proposer's whole list)."""
         from aegis.training.inprocess.membership import latest_round
+        from aegis.training.inprocess.records import decode_record
 
         for attempt in range(30):  # the store may be restarting (a store fault just before)
             try:
                 store = self._membership_client()
                 r = latest_round(store)
-                record = json.loads(store.get(f"aegis/round/{r}/members").decode())
-                members = record.get("members") or json.loads(
-                    store.get(f"aegis/round/{r}/list/{record['by']}").decode())
+                record = decode_record(store.get(f"aegis/round/{r}/members"))
+                members = record.get("members") or decode_record(
+                    store.get(f"aegis/round/{r}/list/{record['by']}"))
                 out = set()
                 for uid in members:
                     node, _, pid = uid.split("/")

@@ -483,7 +483,7 @@ def run_in_process(
     Round.per_node = per_node
     membership = Membership(store, uid, hb, dead_after_s=dead_after_s,
                             form_timeout_s=form_timeout.total_seconds(), min_world=min_world,
-                            max_world=max_world, per_node=per_node)
+                            max_world=max_world, per_node=per_node, relay=relay)
     first = int(os.environ.get("WORLD_SIZE", "1"))
     r = 0
     previous: list[str] | None = None

@@ -14,7 +14,10 @@ store, ``AEGIS_MEMBERSHIP=host:port``), apart from any training.
   in the log, or silent for ``dead_after_s`` as the proposer watches it); the others wait on the
   round's ``members`` key (a server-side wait, no polling) and take over only if the proposer's
   own counter stops. The record is the change from the previous round (removed, added), so a
-  round after a failure costs each process O(changes) bytes, not O(world).
+  round after a failure costs each process O(changes) bytes, not O(world). A whole list (a
+  first round's) is written compressed (:mod:`.records`), and with the node relay
+  (``relay=``) each node reads a round's record from the store once: its processes share it
+  through the node's tmpfs (:meth:`.relay.NodeRelay.shared`).
 * A process that starts while the job runs, or that a round was formed without, registers and
   waits to be admitted at the survivors' next snapshot (:meth:`Membership.join`).
 * Whole-node rounds (``per_node`` > 1, ``run_in_process(ranks_per_node=)``): the proposer keeps
@@ -26,7 +29,8 @@ store, ``AEGIS_MEMBERSHIP=host:port``), apart from any training.
 Store load, against the world size W (docs/architecture.md 13.1; ``bench/scale.py`` measures
 it): per process per heartbeat interval 2 requests (its counter; one ``multi_get``), O(1) bytes
 but for the death log; per round formed O(1) requests per process (O(W) bytes for the proposer,
-and for everyone in a first round, which needs the whole list); O(W) requests in all.
+and for everyone in a first round, which needs the whole list: compressed, ~6.5 B per member,
+and with the relay read once per node); O(W) requests in all.
 
 Store keys (all under ``aegis/``): ``hb/<uid>``; ``round/<r>/joined`` (one JSON line per joining
 process), ``round/<r>/count``, ``round/<r>/proposer``, ``round/<r>/members`` (the record:
@@ -44,6 +48,7 @@ import json
 import os
 import socket
 import time
+import uuid
 from datetime import timedelta
 from typing import Any
 
@@ -64,8 +69,10 @@ from aegis.training.inprocess.heartbeat import (  # noqa: F401 - re-exported
     successors,
 )
 from aegis.training.inprocess.layout import uid_order, whole_nodes
+from aegis.training.inprocess.records import decode_record, encode_record
+from aegis.training.inprocess.relay import NodeRelay
 from aegis.training.inprocess.round import RecoveryGaveUp
-from aegis.training.inprocess.storeclient import BASE_ROUND
+from aegis.training.inprocess.storeclient import BASE_ROUND, EPOCH
 
 __all__ = ["ENV_STORE", "connect_store", "declare", "member_uid", "store_from_env", "Heartbeat", "Membership", "Excluded", "latest_round",
            "backoff_s", "backoff", "ring", "successors", "CountingStore", "REQUESTS"]
@@ -121,7 +128,8 @@ class Membership:
 
     def __init__(self, store: Any, uid: str, hb: Heartbeat, *, dead_after_s: float,
                  form_timeout_s: float, min_world: int, max_world: int | None = None,
-                 per_node: int = 1, poll_s: float = 0.01) -> None:
+                 per_node: int = 1, poll_s: float = 0.01,
+                 relay: NodeRelay | None = None) -> None:
         self.store = store
         self.uid = uid
         self.hb = hb
@@ -133,6 +141,8 @@ class Membership:
         # sits out whole, its other workers wait like spares (layout.whole_nodes)
         self.per_node = per_node
         self.poll_s = poll_s
+        self.relay = relay  # the node's relay: a round's record read from the store once per node
+        self._epoch: str | None = None  # the store's, for a client that does not keep it
         self._lists: dict[int, list[str]] = {}  # member lists of the rounds known here
         self.proposed: list[int] = []  # rounds this process proposed (tests, bench)
 
@@ -307,9 +317,9 @@ class Membership:
             record["waiting"] = waiting
         # the whole list, for processes that do not know the base round (joiners), under this
         # proposer's name: two proposers after a takeover never overwrite each other's
-        self.store.set(_rk(r, f"list/{self.uid}"), json.dumps(proposal))
-        text = json.dumps(record)
-        if self.store.compare_set(_rk(r, "members"), "", text).decode() == text:
+        self.store.set(_rk(r, f"list/{self.uid}"), encode_record(proposal))
+        text = encode_record(record)
+        if self.store.compare_set(_rk(r, "members"), "", text) == text:
             self.proposed.append(r)
 
     def _await(self, r: int, previous: list[str] | None, expected_first: int, deadline: float,
@@ -344,8 +354,21 @@ class Membership:
             last = (proposer, beat)
         self._propose(r, previous, expected_first, deadline)
 
+    def _get(self, r: int, what: str) -> bytes:
+        """Round ``r``'s key ``what`` (it exists): from the store, or with the node's relay
+        from the node's copy (one process of the node reads the store)."""
+        key = _rk(r, what)
+        if self.relay is None:
+            return bytes(self.store.get(key))
+        # a StoreClient keeps the epoch of the store it talks to (a new one after a restart)
+        epoch = getattr(self.store, "epoch", None)
+        epoch = epoch if isinstance(epoch, str) else self._epoch
+        if epoch is None:
+            epoch = self._epoch = self.store.compare_set(EPOCH, "", uuid.uuid4().hex).decode()
+        return self.relay.shared(epoch, r, what, lambda: bytes(self.store.get(key)))
+
     def _read(self, r: int) -> tuple[list[str], int, list[str]]:
-        record = json.loads(self.store.get(_rk(r, "members")).decode())
+        record = decode_record(self._get(r, "members"))
         return self._members_of(r, record), int(record["admitted"]), list(record.get("waiting", []))
 
     def _members_of(self, r: int, record: dict[str, Any]) -> list[str]:
@@ -356,7 +379,7 @@ class Membership:
             out = _apply(base, record)
             if len(out) == int(record["size"]):
                 return out
-        return list(json.loads(self.store.get(_rk(r, f"list/{record['by']}")).decode()))
+        return list(decode_record(self._get(r, f"list/{record['by']}")))
 
     def _keep(self, r: int, members: list[str]) -> None:
         self._lists = {k: v for k, v in self._lists.items() if k >= r - 1}

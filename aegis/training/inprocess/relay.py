@@ -17,10 +17,19 @@ silence is still declared within ``dead_after_s`` + 3 beats of the last one; a w
 successor has been silent for ``dead_after_s`` less two beats reads it directly until it is
 declared (the heartbeat's ``_suspect``), which keeps detection as it was without the relay.
 
+The same directory shares a round's record (:meth:`NodeRelay.shared`): the first process of
+the node to take the directory's fetch lock reads it from the store and writes it there, tagged
+with the store's epoch (a record of another store, or of this one before it restarted empty, is
+never taken); the others read the file. A first round's member list (O(world) bytes) is thus
+read from the store once per node, not once per process. A process that finds the lock held
+for ``wait_s`` (its holder frozen) reads the store itself.
+
 Costs: per node per beat 2 store requests (plus a check or an append when a process watches a
 new key or follows a new round); per process per beat one file written and one read (a few
 hundred bytes, tmpfs); the relay reads one post per local process. Store requests in all per
-beat: O(nodes); bytes per request O(local ranks x watched keys).
+beat: O(nodes); bytes per request O(local ranks x watched keys). Per round, one ``get`` of the
+record per node (O(world) bytes for a whole list, O(changes) after a loss) and one file read
+per process.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +66,20 @@ def _write(path: Path, doc: dict[str, Any]) -> None:
     with open(tmp, "w") as fh:
         fh.write(json.dumps(doc, separators=(",", ":")))
     os.replace(tmp, path)
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+    os.replace(tmp, path)
+
+
+def _read_bytes(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
 
 
 def _read(path: Path) -> dict[str, Any] | None:
@@ -125,6 +149,61 @@ class NodeRelay:
             out.append(doc)
         return out
 
+    # -- a round's record, read once per node ------------------------------------------------
+
+    def shared(self, tag: str, r: int, what: str, fetch: Callable[[], bytes], *,
+               wait_s: float = 1.0, poll_s: float = 0.002) -> bytes:
+        """``fetch()``'s bytes (round ``r``'s record ``what``, of the store whose epoch is
+        ``tag``), read from the store by one process of the node: the first to take the fetch
+        lock reads and writes them to the node's directory; the others read that file, or the
+        store themselves once the lock has been held for ``wait_s`` (a frozen holder) or the
+        directory cannot be used (its tmpfs full, removed). Whatever is returned is what the
+        store held under that epoch: a file of another epoch is never read."""
+        path = self.dir / f"rec-{_safe(tag)}-{r}-{_safe(what)}"
+        data = _read_bytes(path)
+        if data is not None:
+            return data
+        try:
+            fd = os.open(self.dir / "fetch.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError:
+            return fetch()
+        try:
+            deadline = time.monotonic() + wait_s
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    data = _read_bytes(path)
+                    if data is not None:
+                        return data
+                    if time.monotonic() > deadline:
+                        return fetch()
+                    time.sleep(poll_s)
+                    continue
+                data = _read_bytes(path)  # written while this process waited for the lock
+                if data is not None:
+                    return data
+                data = fetch()
+                with contextlib.suppress(OSError):
+                    _write_bytes(path, data)
+                    self._prune(tag, r)
+                return data
+        finally:
+            os.close(fd)  # releases the lock
+
+    def _prune(self, tag: str, r: int) -> None:
+        """Records of another epoch or of rounds before ``r - 2`` (no process reads them)."""
+        keep = f"rec-{_safe(tag)}-"
+        for path in self.dir.glob("rec-*"):
+            name = path.name
+            old = not name.startswith(keep)
+            if not old:
+                head = name[len(keep):].split("-", 1)[0]
+                old = head.isdigit() and int(head) < r - 2
+            if old:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+
     def publish(self, out: dict[str, Any]) -> None:
         self.batches += 1
         _write(self._out, out)
@@ -142,9 +221,10 @@ class NodeRelay:
         self.leading = False
         with contextlib.suppress(OSError):
             if not any(self.dir.glob("in-*.json")):
-                for name in ("out.json", "lock"):
+                for path in [self.dir / "out.json", self.dir / "lock", self.dir / "fetch.lock",
+                             *self.dir.glob("rec-*")]:
                     with contextlib.suppress(FileNotFoundError):
-                        (self.dir / name).unlink()
+                        path.unlink()
                 self.dir.rmdir()
                 self.dir.parent.rmdir()  # the job's root, once its last node is gone
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
-import json
 import queue
 import threading
 import time
@@ -44,6 +43,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from aegis.training.inprocess.records import encode_record
 from aegis.training.inprocess.round import RecoveryGaveUp
 
 __all__ = ["StoreClient", "StoreUnreachable", "StoreRestarted", "is_store_failure", "EPOCH",
@@ -359,7 +359,7 @@ def reseed(store: Any, r: int, members: list[str], admitted: int, uid: str) -> N
     5 requests, O(world) bytes, once per member per store restart."""
     if r < 0 or not members:
         return
-    record = json.dumps({"members": members, "admitted": admitted, "by": uid})
+    record = encode_record({"members": members, "admitted": admitted, "by": uid})
     store.compare_set(f"aegis/round/{r}/members", "", record)
     _at_least(store, "aegis/admitted", admitted)
     _at_least(store, "aegis/join/count", admitted)
