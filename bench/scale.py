@@ -57,6 +57,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -116,6 +117,7 @@ class _Member:
         import torch.distributed as dist
 
         from aegis.training.inprocess.membership import CountingStore, Heartbeat, Membership
+        from aegis.training.inprocess.storeclient import EPOCH
 
         def client() -> Any:
             return CountingStore(dist.TCPStore("127.0.0.1", port, is_master=False,
@@ -130,6 +132,8 @@ class _Member:
         self.fenced: dict[str, float] = {}  # "<round>|<uid>" -> time.time()
         self.hb_store = client()
         self.store = client()
+        # the store's epoch, read at connect as run_in_process' StoreClient does (off the clock)
+        self.store.epoch = self.store.compare_set(EPOCH, "", uuid.uuid4().hex).decode()
         # declarations armed once every member has the first round (see _Run.run)
         relay = None
         if p.get("relay_root"):  # the node heartbeat relay (issue 40): a node's members share one
@@ -837,7 +841,8 @@ def _membership_result(args: argparse.Namespace, runs: list[dict[str, Any]],
                        base: list[dict[str, Any]], stopped: str | None,
                        label: str = "issue 24") -> dict[str, Any]:
     good = [r for r in runs if _ok(r) and r["steady"]["kept_up"]]
-    faults = [r for r in good if "faults" in r and "detect_s" in r["faults"].get("stop", {})]
+    faults = [r for r in good if "faults" in r and all(
+        "max" in r["faults"].get(k, {}).get("detect_s", {}) for k in ("kill", "stop"))]
     clean = [not _limited(r) for r in faults]
     bgood = [r for r in base if _ok(r)]
 

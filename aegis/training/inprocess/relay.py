@@ -152,35 +152,36 @@ class NodeRelay:
     # -- a round's record, read once per node ------------------------------------------------
 
     def shared(self, tag: str, r: int, what: str, fetch: Callable[[], bytes], *,
-               wait_s: float = 1.0, poll_s: float = 0.002) -> bytes:
+               wait_s: float = 1.0) -> bytes:
         """``fetch()``'s bytes (round ``r``'s record ``what``, of the store whose epoch is
         ``tag``), read from the store by one process of the node: the first to take the fetch
-        lock reads and writes them to the node's directory; the others read that file, or the
-        store themselves once the lock has been held for ``wait_s`` (a frozen holder) or the
-        directory cannot be used (its tmpfs full, removed). Whatever is returned is what the
-        store held under that epoch: a file of another epoch is never read."""
+        lock (exclusive) reads and writes them to the node's directory; the others block for
+        the lock shared, which the kernel grants when the fetcher is done (or dead), and read
+        the file. No process polls: the node's processes all wake at once when a record is
+        written, and a fetch is one ``get``. One that has waited ``wait_s`` (the fetcher
+        frozen) reads the store itself; so does every process when the directory cannot be
+        used (its tmpfs full, removed). Whatever is returned is what the store held under that
+        epoch: a file of another epoch is never read."""
         path = self.dir / f"rec-{_safe(tag)}-{r}-{_safe(what)}"
-        data = _read_bytes(path)
-        if data is not None:
-            return data
-        try:
-            fd = os.open(self.dir / "fetch.lock", os.O_RDWR | os.O_CREAT, 0o600)
-        except OSError:
-            return fetch()
-        try:
-            deadline = time.monotonic() + wait_s
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except OSError:
-                    data = _read_bytes(path)
-                    if data is not None:
-                        return data
-                    if time.monotonic() > deadline:
-                        return fetch()
-                    time.sleep(poll_s)
-                    continue
-                data = _read_bytes(path)  # written while this process waited for the lock
+        lock = self.dir / "fetch.lock"
+        deadline = time.monotonic() + wait_s
+        for _ in range(8):  # a fetcher that failed hands the fetch on; a few rounds of it at most
+            data = _read_bytes(path)
+            if data is not None:
+                return data
+            try:
+                fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+            except OSError:
+                break
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)
+                if not _shared_lock_within(lock, deadline - time.monotonic()):
+                    break  # held past wait_s: a frozen fetcher
+                continue  # the fetcher is done: its file is there (or it failed: try again)
+            try:
+                data = _read_bytes(path)  # written while this process opened the lock
                 if data is not None:
                     return data
                 data = fetch()
@@ -188,8 +189,9 @@ class NodeRelay:
                     _write_bytes(path, data)
                     self._prune(tag, r)
                 return data
-        finally:
-            os.close(fd)  # releases the lock
+            finally:
+                os.close(fd)  # releases the lock: the node's other processes read the file
+        return fetch()
 
     def _prune(self, tag: str, r: int) -> None:
         """Records of another epoch or of rounds before ``r - 2`` (no process reads them)."""
@@ -227,6 +229,33 @@ class NodeRelay:
                         path.unlink()
                 self.dir.rmdir()
                 self.dir.parent.rmdir()  # the job's root, once its last node is gone
+
+
+def _shared_lock_within(lock: Path, timeout: float) -> bool:
+    """Whether a shared ``flock`` on ``lock`` was granted within ``timeout`` (it is released at
+    once). The blocking call runs on a thread of its own, so that a holder frozen with the lock
+    costs this caller ``timeout``, not forever; that thread returns when the holder releases it
+    or dies, and closes its descriptor."""
+    if timeout <= 0:
+        return False
+    granted = threading.Event()
+
+    def take() -> None:
+        try:
+            fd = os.open(lock, os.O_RDWR)
+        except OSError:
+            granted.set()  # removed (the node's last process left): the caller goes on
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            granted.set()
+        except OSError:
+            granted.set()
+        finally:
+            os.close(fd)
+
+    threading.Thread(target=take, name="aegis-relay-fetch-wait", daemon=True).start()
+    return granted.wait(timeout)
 
 
 def _alive(pid: int) -> bool:
