@@ -756,23 +756,24 @@ def _first_round_work(n: int, repeats: int = 5) -> dict[str, Any]:
 
 def _first_round_model(out: dict[str, Any]) -> dict[str, Any] | None:
     """The first round at 16,384 members as a job runs it: the store's serial work (its CPU in
-    the first round, fitted and projected), one proposer's and one member's own work (measured
-    at that size: each process has a CPU of its own in a job, where the simulation runs
-    thousands on 2 cores), and the protocol's round trips (the smallest size's first round)."""
+    the first round per member at the largest size that kept up, times 16,384: the round's
+    requests are O(world), ~4 per member, and with the relay its bytes O(world) too), one
+    proposer's and one member's own work (measured at that size: each process has a CPU of its
+    own in a job, where the simulation runs thousands on 2 cores), and the protocol's round
+    trips (the smallest size's first round)."""
     work = out.get("first_round_work")
-    cpu = next((s for s in out["series"] if s["panel"] == "first round: the store's CPU (s)"), None)
-    firsts = [(r["world"], r["first_round_s"]) for r in out["runs"] if _ok(r)]
-    if not work or cpu is None or not firsts:
+    good = [r for r in out["runs"] if _ok(r) and r["steady"]["kept_up"]
+            and r.get("first_round_store_cpu_s") is not None]
+    if not work or not good:
         return None
-    ab = fit_loglog(*larger_half(*_usable(cpu)))
-    if ab is None:
-        return None
-    a, b = ab
+    big = max(good, key=lambda r: r["world"])
     n = work["members"]
-    store_s = math.exp(a) * n ** b
-    trips_s = min(firsts)[1]
+    store_s = big["first_round_store_cpu_s"] / big["world"] * n
+    trips_s = min(good, key=lambda r: r["world"])["first_round_s"]
     total = store_s + work["proposer_s"] + work["member_s"] + trips_s
-    return {"members": n, "store_cpu_s": store_s, "store_cpu_exponent": b,
+    return {"members": n, "store_cpu_s": store_s, "store_cpu_from": big["world"],
+            "store_cpu_at_from_s": big["first_round_store_cpu_s"],
+            "store_requests_per_member": big["first_round_requests"]["total"] / big["world"],
             "proposer_s": work["proposer_s"], "member_s": work["member_s"],
             "round_trips_s": trips_s, "total_s": total}
 
@@ -792,16 +793,19 @@ def _relay_result(out: dict[str, Any]) -> dict[str, Any]:
         w = out["first_round_work"]
         out["notes"].append(
             f"First round at {model['members']:,} members, as a job runs it: the store's serial work "
-            f"{model['store_cpu_s']:.2f} s (its CPU in the first round, measured per size with the "
-            f"members' beats, fitted O(world^{model['store_cpu_exponent']:.2f}) and projected) + the "
-            f"proposer's own work {model['proposer_s']:.3f} s + a member's {model['member_s']:.3f} s "
+            f"{model['store_cpu_s']:.2f} s (its CPU in the first round, {model['store_cpu_at_from_s']:.2f} s "
+            f"at {model['store_cpu_from']:,} members with the members' beats meanwhile, "
+            f"{model['store_requests_per_member']:.1f} requests per member, scaled linearly: the "
+            "round's requests and, read once per node, its bytes are O(world); the CPU is read in "
+            "10 ms ticks) + the proposer's own work "
+            f"{model['proposer_s']:.3f} s + a member's {model['member_s']:.3f} s "
             f"(both measured at {model['members']:,}: the join log read, the record "
             f"{w['record_bytes']:,} B compressed from {w['json_bytes']:,} B of JSON written; the "
             f"record read, decoded and the ring found) + the protocol's round trips "
             f"{model['round_trips_s']:.2f} s (the smallest size's first round) = "
             f"{model['total_s']:.2f} s. The simulation's own first round (its panel) runs every "
-            "member's decoding on this machine's 2 cores at once, so it grows with the world where "
-            "a job's does not.")
+            "member's wake-up and decoding on this machine's 2 cores at once, so it grows with the "
+            "world where a job's does not.")
     return out
 
 
@@ -903,7 +907,9 @@ def _membership_result(args: argparse.Namespace, runs: list[dict[str, Any]],
     if cpu:  # runs recorded before issue 40's first-round change did not measure it
         series.append({"panel": "first round: the store's CPU (s)", "label": label, "x": xs(cpu),
                        "y": [max(1e-3, r["first_round_store_cpu_s"]) for r in cpu], "unit": "s",
-                       "project": True, "per": "once per job"})
+                       # read in 10 ms ticks: not fitted; the relay section's note scales the
+                       # largest size's linearly (its requests are O(world))
+                       "project": False, "per": "once per job"})
     rows = []
     for r in runs:
         s, fk = r.get("steady", {}), r.get("faults", {})

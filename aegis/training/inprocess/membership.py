@@ -167,7 +167,8 @@ class Membership:
             self._propose(r, previous, expected_first, deadline)
         else:
             self._await(r, previous, expected_first, deadline, proposer, eligible)
-        members, admitted, waiting = self._read(r)
+        # a first round's record is the whole list: read once per node with the relay
+        members, admitted, waiting = self._read(r, share=previous is None)
         if self.uid not in members:
             if self.uid in waiting:
                 raise Excluded(f"round {r} was formed of whole nodes ({self.per_node} processes "
@@ -354,11 +355,15 @@ class Membership:
             last = (proposer, beat)
         self._propose(r, previous, expected_first, deadline)
 
-    def _get(self, r: int, what: str) -> bytes:
-        """Round ``r``'s key ``what`` (it exists): from the store, or with the node's relay
-        from the node's copy (one process of the node reads the store)."""
+    def _get(self, r: int, what: str, *, share: bool) -> bytes:
+        """Round ``r``'s key ``what`` (it exists): from the store, or (``share``, with the
+        node's relay) from the node's copy, one process of the node reading the store. Shared:
+        the whole lists (O(world) bytes to every process); a change record after a loss is a few
+        hundred bytes, read directly: sharing it saves the store one small ``get`` per process
+        but puts a second wake-up on the path to every process (measured with 1,024 simulated
+        members: the agreement 0.64-0.69 s direct, 0.99-1.06 s shared)."""
         key = _rk(r, what)
-        if self.relay is None:
+        if self.relay is None or not share:
             return bytes(self.store.get(key))
         # a StoreClient keeps the epoch of the store it talks to (a new one after a restart)
         epoch = getattr(self.store, "epoch", None)
@@ -367,8 +372,8 @@ class Membership:
             epoch = self._epoch = self.store.compare_set(EPOCH, "", uuid.uuid4().hex).decode()
         return self.relay.shared(epoch, r, what, lambda: bytes(self.store.get(key)))
 
-    def _read(self, r: int) -> tuple[list[str], int, list[str]]:
-        record = decode_record(self._get(r, "members"))
+    def _read(self, r: int, *, share: bool = False) -> tuple[list[str], int, list[str]]:
+        record = decode_record(self._get(r, "members", share=share))
         return self._members_of(r, record), int(record["admitted"]), list(record.get("waiting", []))
 
     def _members_of(self, r: int, record: dict[str, Any]) -> list[str]:
@@ -379,7 +384,7 @@ class Membership:
             out = _apply(base, record)
             if len(out) == int(record["size"]):
                 return out
-        return list(decode_record(self._get(r, f"list/{record['by']}")))
+        return list(decode_record(self._get(r, f"list/{record['by']}", share=True)))
 
     def _keep(self, r: int, members: list[str]) -> None:
         self._lists = {k: v for k, v in self._lists.items() if k >= r - 1}
