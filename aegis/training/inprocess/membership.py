@@ -16,8 +16,8 @@ store, ``AEGIS_MEMBERSHIP=host:port``), apart from any training.
   own counter stops. The record is the change from the previous round (removed, added), so a
   round after a failure costs each process O(changes) bytes, not O(world). A whole list (a
   first round's) is written compressed (:mod:`.records`), and with the node relay
-  (``relay=``) each node reads a round's record from the store once: its processes share it
-  through the node's tmpfs (:meth:`.relay.NodeRelay.shared`).
+  (``relay=``) each node reads it from the store once: its processes share it through the
+  node's tmpfs (:meth:`.relay.NodeRelay.shared`).
 * A process that starts while the job runs, or that a round was formed without, registers and
   waits to be admitted at the survivors' next snapshot (:meth:`Membership.join`).
 * Whole-node rounds (``per_node`` > 1, ``run_in_process(ranks_per_node=)``): the proposer keeps

@@ -17,8 +17,8 @@ silence is still declared within ``dead_after_s`` + 3 beats of the last one; a w
 successor has been silent for ``dead_after_s`` less two beats reads it directly until it is
 declared (the heartbeat's ``_suspect``), which keeps detection as it was without the relay.
 
-The same directory shares a round's record (:meth:`NodeRelay.shared`): the first process of
-the node to take the directory's fetch lock reads it from the store and writes it there, tagged
+The same directory shares a round's whole member list (:meth:`NodeRelay.shared`): the first
+process of the node to take the directory's fetch lock reads it from the store and writes it there, tagged
 with the store's epoch (a record of another store, or of this one before it restarted empty, is
 never taken); the others read the file. A first round's member list (O(world) bytes) is thus
 read from the store once per node, not once per process. A process that finds the lock held
@@ -27,9 +27,8 @@ for ``wait_s`` (its holder frozen) reads the store itself.
 Costs: per node per beat 2 store requests (plus a check or an append when a process watches a
 new key or follows a new round); per process per beat one file written and one read (a few
 hundred bytes, tmpfs); the relay reads one post per local process. Store requests in all per
-beat: O(nodes); bytes per request O(local ranks x watched keys). Per round, one ``get`` of the
-record per node (O(world) bytes for a whole list, O(changes) after a loss) and one file read
-per process.
+beat: O(nodes); bytes per request O(local ranks x watched keys). Per whole list (a first
+round's), one ``get`` per node (O(world) bytes, compressed) and one file read per process.
 """
 
 from __future__ import annotations
