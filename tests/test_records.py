@@ -28,3 +28,27 @@ def test_a_small_record_stays_json_and_old_records_still_read() -> None:
     assert len(raw) < COMPRESS_FROM and json.loads(raw) == record
     assert decode_record(json.dumps(record)) == record  # a str, as written before issue 40
     assert decode_record(json.dumps(record).encode()) == record
+
+
+def test_the_store_watcher_reads_a_compressed_first_round() -> None:
+    """``aegis store``'s reading of the membership keys takes the compressed whole list, and a
+    change record after it."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from aegis.cli.store import read_state
+
+    uids = [f"node-{n:04d}/{local}/{4000 + 8 * n + local}" for n in range(128) for local in range(8)]
+    s = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                      timeout=timedelta(seconds=10))
+    raw = encode_record({"members": uids, "admitted": 0, "by": uids[0]})
+    assert raw[:4] == b"\x28\xb5\x2f\xfd"
+    s.set("aegis/round/0/members", raw)
+    assert read_state(s)["members"] == uids
+    change = {"base": 0, "removed": uids[8:16], "added": [], "size": len(uids) - 8,
+              "admitted": 0, "by": uids[0]}
+    s.set("aegis/round/1/members", encode_record(change))
+    s.set(f"aegis/round/1/list/{uids[0]}", encode_record(uids[:8] + uids[16:]))
+    state = read_state(s)  # no base known to the reader: the proposer's whole list
+    assert state["round"] == 1 and state["members"] == uids[:8] + uids[16:]
