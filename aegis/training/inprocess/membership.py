@@ -36,7 +36,8 @@ Store keys (all under ``aegis/``): ``hb/<uid>``; ``round/<r>/joined`` (one JSON 
 process), ``round/<r>/count``, ``round/<r>/proposer``, ``round/<r>/members`` (the record:
 ``{"members"}`` or ``{"base", "removed", "added", "size"}``, with ``"admitted"``, ``"by"`` and
 for whole-node rounds ``"waiting"``),
-``round/<r>/list/<uid>`` (the proposer's whole list), ``round/<r>/dead`` (death log),
+``round/<r>/list/<uid>`` (the proposer's whole list; whole lists are zstd-compressed past
+4 KB, :mod:`.records`), ``round/<r>/dead`` (death log),
 ``round/<r>/done``, ``round/<r>/ports/<uid>`` (gloo fencing); ``join/count``, ``join/slot/<i>``,
 ``join/slot_of/<uid>``, ``join/round/<i>`` (``{"round", "base", "joiners"}``), ``admitted``.
 """
@@ -141,7 +142,7 @@ class Membership:
         # sits out whole, its other workers wait like spares (layout.whole_nodes)
         self.per_node = per_node
         self.poll_s = poll_s
-        self.relay = relay  # the node's relay: a round's record read from the store once per node
+        self.relay = relay  # the node's relay: a whole list read from the store once per node
         self._epoch: str | None = None  # the store's, for a client that does not keep it
         self._lists: dict[int, list[str]] = {}  # member lists of the rounds known here
         self.proposed: list[int] = []  # rounds this process proposed (tests, bench)
