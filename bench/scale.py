@@ -29,6 +29,9 @@ sections the file holds):
 ``parity_metadata`` the metadata section with parity groups (XOR of 4, RS 4+2), one rank per
                 node, 2 -> 32 ranks: format 4's step record with the node's own groups
                 (issue 40) beside the whole format-3 manifest of before.
+``store_cost``  the store server's CPU per heartbeat, direct and through a node's relay, on an
+                idle store with a 16,384-rank job's keys (``bench/_scale_store.py``), and the
+                cores the beats of 16,384 ranks need (issue 40).
 
 Adding a section: a function ``section_<name>(args) -> dict`` with the keys of
 :func:`section_membership`'s result (``series`` drive the plot and the projection, ``table`` and
@@ -76,6 +79,7 @@ from _scale_snapshot import (  # noqa: E402
     section_parity_rebuild,
     section_restore,
 )
+from _scale_store import section_store_cost  # noqa: E402
 
 from aegis.goodput import fit_loglog, larger_half  # noqa: E402
 
@@ -1012,6 +1016,7 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "parity_rebuild": section_parity_rebuild,
     "relay": section_relay,
     "parity_metadata": section_parity_metadata,
+    "store_cost": section_store_cost,
 }
 
 
@@ -1212,6 +1217,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "member's own heartbeat thread, as in a job)")
     p.add_argument("--relay-sizes", default="8,64,256,1024,2048",
                    help="relay: member counts, every member beating through its node's relay")
+    p.add_argument("--store-clients", type=int, default=32, help="store_cost: client threads")
+    p.add_argument("--store-beats", type=int, default=600, help="store_cost: beats per client")
+    p.add_argument("--store-repeats", type=int, default=3, help="store_cost: repeats per kind")
+    p.add_argument("--store-paced", action=argparse.BooleanOptionalAction, default=True,
+                   help="store_cost: send the beats at a 16,384-rank job's rate (default), not "
+                        "as fast as the clients can")
     p.add_argument("--rebuild-worlds", default="xor:5,10;rs:6,12",
                    help="parity_rebuild: scheme:world sizes, ';'-separated")
     p.add_argument("--rebuild-mb", type=float, default=16.0,
