@@ -99,6 +99,22 @@ def test_corrupt_replica_is_detected_and_another_source_used(store_dir: Path) ->
     assert any("rank 0" in x and "chunk 0" in x for x in out[0]["skipped"]), out[0]["skipped"]
 
 
+def test_a_damaged_own_copy_found_while_streaming_is_loaded_again_from_a_peer(store_dir: Path) -> None:
+    """A rank's own shard is streamed into the state with each chunk checked as it lands
+    (stream_read): a flipped byte there is found during the load, after bytes were written; the
+    shard is fetched from a replica and every byte loaded again."""
+    nodes = ["a", "b", "c"]
+    saved = run_ranks(3, _save, str(store_dir), nodes, 2)[0]
+    flip_byte(store_dir / "b", 3, 1)  # b's own copy of rank 1's shard
+    out = run_ranks(3, _restore, str(store_dir), nodes, 2)
+    assert [o["step"] for o in out] == [3, 3, 3]
+    assert_bitwise_equal(saved, out[0]["full"])
+    src = {s["shard"]: s for s in out[1]["sources"]}[1]
+    assert src["source"] == "peer" and src["node"] in ("a", "c"), src
+    assert any("b (local copy)" in x and "rank 1, chunk 0" in x for x in out[1]["skipped"]), out[1]["skipped"]
+    assert all(s["source"] == "local" for r in (0, 2) for s in out[r]["sources"])
+
+
 def test_no_intact_source_left_names_step_rank_and_what_was_tried(store_dir: Path) -> None:
     run_ranks(3, _save, str(store_dir), ["a", "b", "c"], 1)
     lose(store_dir, "a")

@@ -63,6 +63,7 @@ from aegis.snapshot.shard import (
     zero_gaps,
 )
 from aegis.snapshot.staging import CopyBarrier, Stager
+from aegis.snapshot.stream_read import byte_view, stream_chunks
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -287,6 +288,29 @@ class ShardWriter(StorageWriter):
         return False
 
 
+def _plain_span(rec: ItemRecord, req: ReadItem, target: torch.Tensor) -> tuple[int, int] | None:
+    """The stored bytes [start, end) that land unchanged in ``target``: the item read whole, or
+    a run of its rows (a resharded read along the first dimension), of ``target``'s dtype. None
+    when the read needs more than a byte copy."""
+    if rec.dtype is None or rec.shape is None:
+        return None
+    dtype = dtype_from_name(rec.dtype)
+    if target.dtype != dtype:
+        return None
+    shape = tuple(rec.shape)
+    offs, lens = tuple(req.storage_offsets), tuple(req.lengths)
+    if len(offs) != len(shape) or any(o != 0 or n != d for o, n, d in zip(offs[1:], lens[1:], shape[1:], strict=True)):
+        return None
+    if not shape:
+        start, end = rec.file_offset, rec.file_offset + rec.length
+    else:
+        row = rec.length // shape[0] if shape[0] else 0
+        start, end = rec.file_offset + offs[0] * row, rec.file_offset + (offs[0] + lens[0]) * row
+    if end - start != target.numel() * target.element_size():
+        return None
+    return start, end
+
+
 class ShardReader(StorageReader):
     """DCP ``StorageReader`` over local shard files of one committed snapshot.
 
@@ -296,14 +320,24 @@ class ShardReader(StorageReader):
     (one bulk fault-in, cheaper than a fault per page), except the ranks in ``sparse``, of which
     this rank reads a small part (a few replicated items): populating a whole shard to read a
     few KB of it cost 30 ms per 0.5 GB here.
+
+    The ranks in ``verify`` (rank -> the indices of the chunks this rank's plan reads) are not
+    verified yet: their files are streamed (:mod:`aegis.snapshot.stream_read`): the bytes of
+    every item whose destination is a contiguous CPU tensor of the stored dtype are read
+    straight into it and each chunk's crc32c is computed as they land, in one pass; the other
+    items (resharded along a later dimension, non-tensor, on a GPU) are read from a mapping once
+    every chunk they touch has been checked. A bad chunk raises CorruptShardError.
     """
 
     def __init__(self, manifest: Manifest, paths: Mapping[int, str | os.PathLike[str]],
-                 *, sparse: Collection[int] = (), maps: dict[str, mmap.mmap] | None = None) -> None:
+                 *, sparse: Collection[int] = (), maps: dict[str, mmap.mmap] | None = None,
+                 verify: Mapping[int, Collection[int]] | None = None) -> None:
         super().__init__()
         self.manifest = manifest
         self.paths = {r: Path(p) for r, p in paths.items()}
         self.sparse = frozenset(sparse)
+        self.verify = dict(verify or {})
+        self._streamed: set[int] = set()
         self._given = maps if maps is not None else {}  # path -> a mapping made by the verify
         self._items: dict[tuple[int, str, tuple[int, ...] | None], ItemRecord] = {
             (s.rank, i.fqn, i.offset): i for s in manifest.shards for i in s.items
@@ -344,7 +378,9 @@ class ShardReader(StorageReader):
                 with open(path, "rb") as f:
                     # Read-only, shared, populated at once: the pages are the node store's own
                     # (tmpfs), mapped without the page faults of a private copy-on-write mapping.
-                    populate = 0 if rank in self.sparse else getattr(mmap, "MAP_POPULATE", 0)
+                    # (a streamed shard's mapping serves the few items left: never populated)
+                    sparse = rank in self.sparse or rank in self._streamed
+                    populate = 0 if sparse else getattr(mmap, "MAP_POPULATE", 0)
                     m = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ)
             self._maps[rank] = m
             kept = hostmem.lookup(str(path))
@@ -363,9 +399,12 @@ class ShardReader(StorageReader):
         try:
             for rank, reqs in sorted(per_rank.items()):
                 t0 = time.perf_counter()
-                m = self._map(rank)
-                for req, rec in reqs:
-                    self._read_item(m, rank, req, rec, planner)
+                if rank in self.verify:
+                    reqs = self._stream(rank, reqs, planner)  # what it could not stream
+                if reqs:
+                    m = self._map(rank)
+                    for req, rec in reqs:
+                        self._read_item(m, rank, req, rec, planner)
                 self.seconds_by_rank[rank] = time.perf_counter() - t0
             if self._device_copies:  # the mappings must outlive the copies that read them
                 torch.cuda.synchronize()
@@ -374,6 +413,46 @@ class ShardReader(StorageReader):
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+    def _stream(self, rank: int, reqs: list[tuple[ReadItem, ItemRecord]], planner: LoadPlanner
+                ) -> list[tuple[ReadItem, ItemRecord]]:
+        """Read, and check, the chunks of ``rank``'s shard this rank needs, the items with a
+        plain destination straight into it; return the items left for the mapped path."""
+        path = self.paths.get(rank)
+        if path is None:
+            raise FileNotFoundError(f"shard of rank {rank} for step {self.manifest.step} is not available locally")
+        plain: list[tuple[int, int, memoryview, ReadItem, ItemRecord, torch.Tensor]] = []
+        rest: list[tuple[ReadItem, ItemRecord]] = []
+        for req, rec in reqs:
+            span = view = None
+            if req.type != LoadItemType.BYTE_IO:
+                target = planner.resolve_tensor(req).detach()
+                span = _plain_span(rec, req, target)
+                view = byte_view(target) if span is not None else None
+            if span is None or view is None or len(view) != span[1] - span[0]:
+                rest.append((req, rec))
+            else:
+                plain.append((span[0], span[1], view, req, rec, target))
+        plain.sort(key=lambda x: x[0])
+        keep: list[tuple[int, int, memoryview]] = []
+        direct: list[tuple[ReadItem, torch.Tensor, int]] = []
+        for a, b, view, req, rec, target in plain:
+            if keep and a < keep[-1][1]:  # bytes another destination takes too: copied after
+                rest.append((req, rec))
+                continue
+            keep.append((a, b, view))
+            direct.append((req, target, b - a))
+        self._streamed.add(rank)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            stream_chunks(fd, self.manifest.shard(rank).chunks, sorted(self.verify.pop(rank)), keep,
+                          step=self.manifest.step, rank=rank, where=f"node store file {path}")
+        finally:
+            os.close(fd)
+        for req, target, n in direct:
+            planner.commit_tensor(req, target)
+            self._count(rank, n)
+        return rest
 
     def _read_item(self, m: mmap.mmap, rank: int, req: ReadItem, rec: ItemRecord,
                    planner: LoadPlanner) -> None:

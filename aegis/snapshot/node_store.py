@@ -362,12 +362,14 @@ class NodeStore:
         return index, size, crc
 
     def verify_shard(self, step: int, record: ShardRecord, chunks: set[int] | None = None, *,
-                     keep: dict[str, mmap.mmap] | None = None) -> None:
+                     keep: dict[str, mmap.mmap] | None = None, check_chunks: bool = True) -> None:
         """Check a local shard file against its manifest record: size, every chunk's crc32c (or
         those in ``chunks``), and the index crc32c. Raises CorruptShardError naming step, rank
         and chunk. With ``keep``, the file's read-only shared mapping is not closed but left
         there under its path, for a load that reads the verified bytes next (one mapping, its
-        pages populated at once when every chunk is checked)."""
+        pages populated at once when every chunk is checked). With ``check_chunks=False`` only
+        the size and the index (read, not mapped): a restore that streams the file into the
+        state checks each chunk's crc32c as it reads it (:mod:`aegis.snapshot.stream_read`)."""
         path = self.shard_path(step, record.rank)
         where = f"node store {self.dir}"
         try:
@@ -384,33 +386,42 @@ class NodeStore:
             if size < FOOTER_SIZE:
                 raise CorruptShardError(f"shard of rank {record.rank} at step {step} is truncated",
                                         step=step, rank=record.rank, where=where)
+            if not check_chunks:
+                tail = os.pread(f.fileno(), min(size, FOOTER_SIZE), size - FOOTER_SIZE)
+                self._check_index(f.fileno(), tail, size, record, step, where, path)
+                return
             whole = chunks is None or len(chunks) >= len(record.chunks)
             populate = getattr(mmap, "MAP_POPULATE", 0) if whole else 0
             m = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ)
             kept = False
             try:
                 verify_chunks(m, record.chunks, step=step, rank=record.rank, where=where, only=chunks)
-                footer = m[size - FOOTER_SIZE:]
-                try:
-                    start, icrc = decode_footer(footer, size=size, where=str(path))
-                    if icrc != record.index_crc32c:
-                        raise CorruptShardError(
-                            f"shard index of rank {record.rank} at step {step} in {where} does not "
-                            "match the manifest (index crc32c differs)", step=step, rank=record.rank,
-                            where=where)
-                    # The shard's own index (crc-checked) must agree with the manifest's record:
-                    # what is loaded is located by the manifest, and either may be the damaged one.
-                    index = decode_index(m[start:size - FOOTER_SIZE], crc=icrc, size=size, where=str(path))
-                except ManifestError as e:
-                    raise CorruptShardError(f"shard of rank {record.rank} at step {step}: {e}",
-                                            step=step, rank=record.rank, where=where) from e
-                check_index_matches(index, record, step=step, where=where)
+                self._check_index(f.fileno(), m[size - FOOTER_SIZE:], size, record, step, where, path)
                 if keep is not None:  # only a copy that passed every check
                     keep[str(path)] = m
                     kept = True
             finally:
                 if not kept:
                     m.close()
+
+    @staticmethod
+    def _check_index(fd: int, footer: bytes, size: int, record: ShardRecord, step: int, where: str,
+                     path: Path) -> None:
+        """The shard's footer and index (crc-checked) against the manifest's record: what is
+        loaded is located by the manifest, and either may be the damaged one."""
+        try:
+            start, icrc = decode_footer(footer, size=size, where=str(path))
+            if icrc != record.index_crc32c:
+                raise CorruptShardError(
+                    f"shard index of rank {record.rank} at step {step} in {where} does not "
+                    "match the manifest (index crc32c differs)", step=step, rank=record.rank,
+                    where=where)
+            body = os.pread(fd, size - FOOTER_SIZE - start, start)
+            index = decode_index(body, crc=icrc, size=size, where=str(path))
+        except ManifestError as e:
+            raise CorruptShardError(f"shard of rank {record.rank} at step {step}: {e}",
+                                    step=step, rank=record.rank, where=where) from e
+        check_index_matches(index, record, step=step, where=where)
 
     def verify_parity(self, step: int, rank: int, size: int, crc: int, scheme: str = "xor") -> None:
         """Check the parity file of ``rank`` against its size and crc32c (manifest)."""

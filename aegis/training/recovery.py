@@ -189,6 +189,7 @@ def restore_newest(
     t = lap("inventory_s", t0)
 
     bad: set[int] = set()
+    distrust: dict[int, dict[tuple[str, int], str]] = {}  # step -> local copies a load found damaged
     ranks_of = {n: [r for r, x in enumerate(nodes) if x == n] for n in dict.fromkeys(nodes)}
     want = step
     split_parts: tuple[Layout, StepManifest] | None = None
@@ -197,17 +198,22 @@ def restore_newest(
         step, notes = _choose(invs, bad, durable_steps, want)
         skipped.extend(x for x in notes if x not in skipped)
         if step is None:
+            # A streamed load writes a chunk's bytes before its crc32c is known (stream_read):
+            # after a damaged copy was streamed, the state is no longer the one before restore().
+            loaded = ("Nothing was loaded" if not distrust else
+                      "The state was partly overwritten by a damaged copy's bytes (each chunk is "
+                      "checked as it lands): do not train from it")
             if want is not None:
                 raise errors.NoSnapshotError(
                     f"restore(step={want}): that step cannot be restored; "
                     + "; ".join(skipped or ["it is not committed anywhere"])
-                    + ". Nothing was loaded. Call restore() for the newest intact step"
+                    + f". {loaded}. Call restore() for the newest intact step"
                 )
             if skipped:
                 raise CorruptShardError(
                     "committed snapshots exist but none is complete and intact; tried: "
                     + "; ".join(skipped)
-                    + f". Nothing was loaded. Restore from the durable tier, or remove the node "
+                    + f". {loaded}. Restore from the durable tier, or remove the node "
                     f"store directories ({store.dir} here) to start from scratch",
                     step=-1, rank=-1,
                 )
@@ -294,10 +300,10 @@ def restore_newest(
                 need_by_node[n].setdefault(s, set()).update(chunk_ids)
                 spans_by_node[n][s] = _merge(spans_by_node[n].get(s, []) + spans)
         t = lap("plan_s", t)
-        maps: dict[str, mmap.mmap] = {}  # local shards as verified, mapped, for the load
+        maps: dict[str, mmap.mmap] = {}  # shards received whole, mapped, for the load
         outcome = _gather_shards(store, group, transport, manifest, node, invs, need_by_node, ranks_of,
                                  durable if durable_manifest is not None else None,
-                                 spans_by_node=spans_by_node, maps=maps)
+                                 spans_by_node=spans_by_node, maps=maps, distrust=distrust.get(step))
         t = lap("fetch_verify_s", t)
         skipped.extend(outcome.rejected)
         if outcome.failures:
@@ -305,26 +311,41 @@ def restore_newest(
             skipped.extend(outcome.failures)
             bad.add(step)
             continue
+
+        # 5. load: the shards of this node's store streamed into the state, each chunk's
+        # crc32c checked as it lands; copies fetched from elsewhere (verified on arrival) mapped
+        paths = {
+            s: store.partial_path(step, s) if (node, s) in outcome.partial else store.shard_path(step, s)
+            for s in need_by_node[node]
+        }
+        # shards this rank reads little of (replicated items another rank saved): mapped lazily
+        sparse = {s for s, (_, spans) in box["needs"].items()
+                  if 2 * sum(b - a for a, b in spans) < manifest.shard(s).size}
+        unchecked = {s: ids for s, (ids, _) in box["needs"].items() if s not in outcome.origin}
+        reader = ShardReader(manifest, paths, sparse=sparse, maps=maps, verify=unchecked)
+
+        def load(local: _LocalLoad = box["load"], reader: ShardReader = reader, step: int = step
+                 ) -> tuple[str, int, str] | None:
+            try:
+                local.read(reader)
+            except CorruptShardError as e:  # a local copy's chunk: that copy is fetched again
+                return (node, e.rank, str(e))
+            except Exception as e:  # noqa: BLE001 - one error on every rank (run_all)
+                raise AegisError(f"loading step {step} failed: {type(e).__name__}: {e}") from None
+            return None
+
+        damaged = [x for x in group.run_all("restore load", load) if x is not None]
+        t = lap("load_s", t)
+        _close_maps(maps)
+        if damaged:
+            # The state holds some unverified bytes now; the next pass fetches those shards from
+            # another copy and loads every byte again (or moves on to an older step).
+            for n, s, err in damaged:
+                distrust.setdefault(step, {})[(n, s)] = f"{n} (local copy): {err}"
+                skipped.append(f"{n} (local copy): {err}")
+            continue
         break
 
-    # 5. load
-    paths = {
-        s: store.partial_path(step, s) if (node, s) in outcome.partial else store.shard_path(step, s)
-        for s in need_by_node[node]
-    }
-    # shards this rank reads little of (replicated items another rank saved): mapped lazily
-    sparse = {s for s, (_, spans) in box["needs"].items()
-              if 2 * sum(b - a for a, b in spans) < manifest.shard(s).size}
-    reader = ShardReader(manifest, paths, sparse=sparse, maps=maps)
-
-    def load(local: _LocalLoad = box["load"]) -> None:
-        try:
-            local.read(reader)
-        except Exception as e:  # noqa: BLE001 - one error on every rank (run_all)
-            raise AegisError(f"loading step {step} failed: {type(e).__name__}: {e}") from None
-
-    group.run_all("restore load", load)
-    t = lap("load_s", t)
     apply_state(state_dict, manifest)
     t = lap("apply_s", t)
     # A memory step's manifest goes to every node that now holds whole shards of it (a
@@ -480,10 +501,14 @@ def _gather_shards(
     *,
     spans_by_node: dict[str, dict[int, list[tuple[int, int]]]] | None = None,
     maps: dict[str, mmap.mmap] | None = None,
+    distrust: Mapping[tuple[str, int], str] | None = None,
 ) -> _Outcome:
-    """Make every node hold verified copies of the shards it needs (collective). ``maps``
-    receives the mappings of the local shards this rank verified (path -> mapping), which the
-    load then reads instead of mapping them again."""
+    """Make every node hold copies of the shards it needs (collective): local copies checked
+    for size and index (their chunks' crc32c is checked as the load streams them), copies from
+    elsewhere verified whole on arrival. ``maps`` receives the mappings of the shards received
+    whole (path -> mapping), which the load then reads instead of mapping them again.
+    ``distrust``: (node, shard) -> why: local copies a load found damaged, fetched again."""
+    distrust = distrust or {}
     step = manifest.step
     out = _Outcome()
     holders, parity_holders = _holder_lookups(invs, ranks_of, step)
@@ -500,8 +525,12 @@ def _gather_shards(
     for n, shards in need_by_node.items():
         for s in sorted(shards):
             if n in holders(s) and worker(n, s) == group.rank:
+                if (n, s) in distrust:  # its chunks failed their check as a load streamed them
+                    mine.append((n, s, distrust[(n, s)]))
+                    continue
                 try:
-                    store.verify_shard(step, manifest.shard(s), shards[s], keep=maps)
+                    # size and index here; every chunk's crc32c as the load streams it
+                    store.verify_shard(step, manifest.shard(s), shards[s], check_chunks=False)
                     mine.append((n, s, None))
                 except Exception as e:  # noqa: BLE001 - reported to every rank, never raised alone
                     mine.append((n, s, str(e)))
