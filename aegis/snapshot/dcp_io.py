@@ -20,6 +20,7 @@ import mmap
 import os
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +29,14 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
@@ -38,7 +46,12 @@ from torch.distributed.checkpoint.planner import (
     SavePlanner,
     WriteItem,
 )
+from torch.distributed.checkpoint.planner_helpers import (
+    _create_read_items,
+    create_read_items_for_chunk_list,
+)
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from aegis import _fault
@@ -180,7 +193,39 @@ def _refusal_reason(e: BaseException) -> str:
 
 class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner, but non-tensor items never execute code from the snapshot:
-    they are loaded with ``torch.load(weights_only=True)``."""
+    they are loaded with ``torch.load(weights_only=True)``; and its local plan reuses the local
+    chunk of every DTensor of the same mesh, placements and shapes (:func:`_dtensor_chunks`)."""
+
+    def create_local_plan(self) -> LoadPlan:
+        """DCP's ``create_default_local_load_plan``, item for item, with the DTensor's local
+        chunk memoized: DTensor computes it per tensor (``compute_local_shape_and_global_offset``,
+        0.07 s of a 2 GB restore's 0.5 s here, for 879 tensors of ~20 distinct shapes)."""
+        assert self.metadata is not None
+        if not self.metadata.state_dict_metadata.keys() >= self.state_dict.keys():
+            # keys the snapshot lacks: DCP's own handling (pre-2.4 key names, partial loads);
+            # keys only the snapshot has (other ranks' per-rank state) are not read, as in DCP
+            return super().create_local_plan()
+        requests: list[ReadItem] = []
+        strict = not self.allow_partial_load
+        for fqn, obj in self.state_dict.items():
+            if fqn not in self.metadata.state_dict_metadata:
+                if strict:
+                    raise RuntimeError(f"Missing key in checkpoint state_dict: {fqn}.")
+                continue
+            md = self.metadata.state_dict_metadata[fqn]
+            if isinstance(md, TensorStorageMetadata) and getattr(obj, "size", None) is not None \
+                    and md.size != obj.size():
+                raise ValueError(f"Size mismatch between saved {md.size} and current: {obj.size()} for {fqn}")
+            if isinstance(md, BytesStorageMetadata):
+                requests += _create_read_items(fqn, md, obj)
+            elif isinstance(obj, DTensor) and type(obj._local_tensor) is torch.Tensor:
+                if obj.device_mesh.get_coordinate() is not None:
+                    requests += create_read_items_for_chunk_list(fqn, md, _dtensor_chunks(obj))
+            elif isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None:
+                continue
+            else:
+                requests += _create_read_items(fqn, md, obj)
+        return LoadPlan(requests)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
@@ -200,6 +245,26 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
+
+
+# mesh -> (placements, global shape, local shape) -> the local chunk; a mesh dropped (groups
+# re-formed in place) takes its entries with it
+_chunk_memo: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], list[ChunkStorageMetadata]]] = (
+    weakref.WeakKeyDictionary())
+
+
+def _dtensor_chunks(t: DTensor) -> list[ChunkStorageMetadata]:
+    """``t.__create_chunk_list__()``, memoized on what decides it: the mesh (this rank's
+    coordinate in it), the placements, the global and the local shape."""
+    try:
+        memo = _chunk_memo.setdefault(t.device_mesh, {})
+    except TypeError:  # a mesh that cannot be referenced weakly: not memoized
+        return t.__create_chunk_list__()
+    key = (tuple(t.placements), tuple(t.shape), tuple(t._local_tensor.shape))
+    got = memo.get(key)
+    if got is None:
+        got = memo[key] = t.__create_chunk_list__()
+    return got
 
 
 class ShardWriter(StorageWriter):
