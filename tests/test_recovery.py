@@ -8,6 +8,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from aegis.snapshot.node_store import NodeStore
 from tests.dist_utils import run_ranks
 from tests.models import build, full_state, train_step
@@ -65,16 +67,36 @@ def test_replacement_node_restores_from_peer_memory(store_dir: Path) -> None:
     out = run_ranks(4, _restore, str(store_dir), ["a", "a", "c", "c"], 1)
     assert [o["step"] for o in out] == [3] * 4
     assert_bitwise_equal(saved, out[0]["full"])
-    # ranks 2 and 3 (the new node) read their own shards, fetched from node a
+    # ranks 2 and 3 (the new node) read their own shards, fetched from node a (into a file: both
+    # read parts of each, restore_direct needs one reader)
     for r in (2, 3):
-        tiers = {s["shard"]: (s["source"], s["node"]) for s in out[r]["sources"]}
-        assert tiers[r] == ("peer", "a")
+        tiers = {s["shard"]: (s["source"], s["node"], s.get("in_place")) for s in out[r]["sources"]}
+        assert tiers[r] == ("peer", "a", None), tiers
         assert out[r]["fetched"] > 0
     for r in (0, 1):
         tiers = {s["shard"]: s["source"] for s in out[r]["sources"]}
         assert tiers[r] == "local"
     # the replacement node now holds the committed step
     assert NodeStore(store_dir / "c", JOB).steps()[0].committed
+
+
+@pytest.mark.parametrize("damage", [False, True])
+def test_a_replacement_nodes_one_rank_receives_its_shard_into_its_state(store_dir: Path, damage: bool) -> None:
+    """One rank per node: the replacement's rank is the only reader of its shard there, so the
+    peer's copy goes straight into its tensors (restore_direct), every chunk checked after; a
+    copy damaged on the sender is caught by that check and the next copy is used."""
+    saved = run_ranks(3, _save, str(store_dir), ["a", "b", "c"], 2)[0]
+    lose(store_dir, "b")
+    if damage:
+        flip_byte(store_dir / "a", 3, 1, 2000)  # a's replica of rank 1's shard (c's is intact)
+    out = run_ranks(3, _restore, str(store_dir), ["a", "d", "c"], 2)
+    assert [o["step"] for o in out] == [3, 3, 3]
+    assert_bitwise_equal(saved, out[0]["full"])
+    src = {s["shard"]: s for s in out[1]["sources"]}[1]
+    assert src["source"] == "peer" and src.get("in_place") is True, src
+    if damage:
+        assert src["node"] == "c", src
+        assert any("rank 1, chunk 0" in x and "'a'" in x for x in out[1]["skipped"]), out[1]["skipped"]
 
 
 def test_shrink_to_the_surviving_node(store_dir: Path) -> None:

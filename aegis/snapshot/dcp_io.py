@@ -76,7 +76,7 @@ from aegis.snapshot.shard import (
     zero_gaps,
 )
 from aegis.snapshot.staging import CopyBarrier, Stager
-from aegis.snapshot.stream_read import byte_view, stream_chunks
+from aegis.snapshot.stream_read import Received, byte_view, stream_chunks
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -353,7 +353,7 @@ class ShardWriter(StorageWriter):
         return False
 
 
-def _plain_span(rec: ItemRecord, req: ReadItem, target: torch.Tensor) -> tuple[int, int] | None:
+def plain_span(rec: ItemRecord, req: ReadItem, target: torch.Tensor) -> tuple[int, int] | None:
     """The stored bytes [start, end) that land unchanged in ``target``: the item read whole, or
     a run of its rows (a resharded read along the first dimension), of ``target``'s dtype. None
     when the read needs more than a byte copy."""
@@ -392,16 +392,22 @@ class ShardReader(StorageReader):
     straight into it and each chunk's crc32c is computed as they land, in one pass; the other
     items (resharded along a later dimension, non-tensor, on a GPU) are read from a mapping once
     every chunk they touch has been checked. A bad chunk raises CorruptShardError.
+
+    The ranks in ``received`` came from a peer straight into the state, verified
+    (:mod:`aegis.training.restore_direct`): their items in place are committed as they are,
+    the others are copied out of the received scratch bytes.
     """
 
     def __init__(self, manifest: Manifest, paths: Mapping[int, str | os.PathLike[str]],
                  *, sparse: Collection[int] = (), maps: dict[str, mmap.mmap] | None = None,
-                 verify: Mapping[int, Collection[int]] | None = None) -> None:
+                 verify: Mapping[int, Collection[int]] | None = None,
+                 received: Mapping[int, Received] | None = None) -> None:
         super().__init__()
         self.manifest = manifest
         self.paths = {r: Path(p) for r, p in paths.items()}
         self.sparse = frozenset(sparse)
         self.verify = dict(verify or {})
+        self.received = dict(received or {})
         self._streamed: set[int] = set()
         self._given = maps if maps is not None else {}  # path -> a mapping made by the verify
         self._items: dict[tuple[int, str, tuple[int, ...] | None], ItemRecord] = {
@@ -464,7 +470,11 @@ class ShardReader(StorageReader):
         try:
             for rank, reqs in sorted(per_rank.items()):
                 t0 = time.perf_counter()
-                if rank in self.verify:
+                if rank in self.received:
+                    for req, rec in reqs:
+                        self._from_received(self.received[rank], rank, req, rec, planner)
+                    reqs = []
+                elif rank in self.verify:
                     reqs = self._stream(rank, reqs, planner)  # what it could not stream
                 if reqs:
                     m = self._map(rank)
@@ -492,7 +502,7 @@ class ShardReader(StorageReader):
             span = view = None
             if req.type != LoadItemType.BYTE_IO:
                 target = planner.resolve_tensor(req).detach()
-                span = _plain_span(rec, req, target)
+                span = plain_span(rec, req, target)
                 view = byte_view(target) if span is not None else None
             if span is None or view is None or len(view) != span[1] - span[0]:
                 rest.append((req, rec))
@@ -518,6 +528,29 @@ class ShardReader(StorageReader):
             planner.commit_tensor(req, target)
             self._count(rank, n)
         return rest
+
+    def _from_received(self, got: Received, rank: int, req: ReadItem, rec: ItemRecord,
+                       planner: LoadPlanner) -> None:
+        whole = (rec.file_offset, rec.file_offset + rec.length)
+        if req.type == LoadItemType.BYTE_IO:
+            data = got.bytes_at(rec.file_offset, rec.length).numpy().tobytes()
+            planner.load_bytes(req, io.BytesIO(data))
+            self._count(rank, rec.length)
+            return
+        target = planner.resolve_tensor(req).detach()
+        if whole in got.direct and plain_span(rec, req, target) == whole:  # already in place
+            planner.commit_tensor(req, target)
+            self._count(rank, rec.length)
+            return
+        dtype = dtype_from_name(rec.dtype or "uint8")
+        stored = got.bytes_at(rec.file_offset, rec.length).view(dtype).view(rec.shape or ())
+        src = _narrow(stored, req.storage_offsets, req.lengths)
+        if target.size() != src.size():
+            raise ValueError(f"size mismatch for {req.storage_index.fqn}: snapshot chunk "
+                             f"{tuple(src.size())} vs destination {tuple(target.size())}")
+        target.copy_(src)
+        planner.commit_tensor(req, target)
+        self._count(rank, src.numel() * src.element_size())
 
     def _read_item(self, m: mmap.mmap, rank: int, req: ReadItem, rec: ItemRecord,
                    planner: LoadPlanner) -> None:

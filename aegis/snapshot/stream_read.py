@@ -23,6 +23,7 @@ import bisect
 import os
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -30,7 +31,7 @@ from aegis.errors import CorruptShardError
 from aegis.snapshot.manifest import ChunkRecord
 from aegis.snapshot.shard import _checksum_pool, crc32c
 
-__all__ = ["BLOCK", "Segment", "stream_chunks", "byte_view"]
+__all__ = ["BLOCK", "Received", "Segment", "stream_chunks", "byte_view"]
 
 # Copy, then check, this many bytes at a time: small enough that the block just written is still
 # in the core's cache when crc32c reads it, large enough that the calls cost little (measured
@@ -143,3 +144,21 @@ def stream_chunks(
                 f"{c.offset + c.length}) of {where}: expected {c.crc32c:#010x}, got {got:#010x}",
                 step=step, rank=rank, chunk=i, where=where)
     return total
+
+
+@dataclass
+class Received:
+    """A shard received straight into the state: ``direct`` (start, end) ranges already in
+    their destination tensors; ``scratch``: (start, end, bytes) of everything else received."""
+
+    direct: set[tuple[int, int]]
+    scratch: list[tuple[int, int, torch.Tensor]]
+
+    def bytes_at(self, start: int, length: int) -> torch.Tensor:
+        """The received bytes [start, start + length), which lie in one scratch piece."""
+        k = bisect.bisect_right(self.scratch, start, key=lambda x: x[0]) - 1
+        if k >= 0:
+            a, b, buf = self.scratch[k]
+            if start + length <= b:
+                return buf[start - a:start - a + length]
+        raise KeyError(f"bytes {start}..{start + length} were not received")

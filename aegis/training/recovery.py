@@ -27,11 +27,13 @@ import functools
 import gc
 import mmap
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.planner import LoadItemType
 
 from aegis import _fault, errors
 from aegis._dist import Group
@@ -42,7 +44,7 @@ from aegis.errors import (
     ManifestError,
     StateMismatchError,
 )
-from aegis.snapshot.dcp_io import SafeLoadPlanner, ShardReader
+from aegis.snapshot.dcp_io import SafeLoadPlanner, ShardReader, plain_span
 from aegis.snapshot.durable import list_steps, read_manifest
 from aegis.snapshot.manifest import Manifest, Redundancy, ShardRecord
 from aegis.snapshot.node_manifest import Layout, StepManifest
@@ -51,6 +53,7 @@ from aegis.snapshot.objstore import ObjectStore
 from aegis.snapshot.shard import (
     chunks_for_ranges,
 )
+from aegis.snapshot.stream_read import byte_view
 from aegis.snapshot.transport import Transport
 from aegis.training.restore_choose import (  # noqa: F401 - re-exported (tests)
     _assemble_step,
@@ -59,6 +62,7 @@ from aegis.training.restore_choose import (  # noqa: F401 - re-exported (tests)
     _rebuild_blocker,
     _StepInv,
 )
+from aegis.training.restore_direct import DIRECT_MIN, Direct, Received
 from aegis.training.restore_fetch import (  # noqa: F401 - re-exported (tests)
     DURABLE,
     REBUILD,
@@ -283,10 +287,13 @@ def restore_newest(
         def key_check(sd: dict[str, Any] = state_dict, m: Manifest = manifest) -> None:
             check_state(sd, m)
 
+        # shards this node does not hold (a replacement node's): may be received in place
+        remote = {s for s in range(manifest.world_size) if durable_manifest is None
+                  and s not in getattr(invs.get(node, {}).get(step), "shards", ())}
+
         def plan_needs(sd: dict[str, Any] = state_dict, m: Manifest = manifest,
-                       out: dict[str, Any] = box
-                       ) -> tuple[str, dict[int, tuple[set[int], list[tuple[int, int]]]]]:
-            needs, out["load"] = _needed_chunks(sd, m, group.rank == 0)
+                       out: dict[str, Any] = box, remote: set[int] = remote) -> tuple[str, Any]:
+            needs, out["load"] = _needed_chunks(sd, m, group.rank == 0, remote)
             out["needs"] = needs
             return node, needs
 
@@ -295,15 +302,21 @@ def restore_newest(
         needs = group.run_all("restore plan", plan_needs)
         need_by_node: dict[str, dict[int, set[int]]] = {n: {} for n in ranks_of}
         spans_by_node: dict[str, dict[int, list[tuple[int, int]]]] = {n: {} for n in ranks_of}
-        for n, shards in needs:
-            for s, (chunk_ids, spans) in shards.items():
+        readers: dict[tuple[str, int], list[tuple[int, list[tuple[int, int]]]]] = {}
+        for r, (n, shards) in enumerate(needs):
+            for s, (chunk_ids, spans, direct) in shards.items():
                 need_by_node[n].setdefault(s, set()).update(chunk_ids)
                 spans_by_node[n][s] = _merge(spans_by_node[n].get(s, []) + spans)
+                readers.setdefault((n, s), []).append((r, direct))
+        # (node, shard) -> (rank, ranges): its one reader there takes those items in place
+        direct_by = {k: v[0] for k, v in readers.items() if len(v) == 1 and v[0][1]}
         t = lap("plan_s", t)
         maps: dict[str, mmap.mmap] = {}  # shards received whole, mapped, for the load
+        received: dict[int, Received] = {}  # shards received into the state (restore_direct)
         outcome = _gather_shards(store, group, transport, manifest, node, invs, need_by_node, ranks_of,
                                  durable if durable_manifest is not None else None,
-                                 spans_by_node=spans_by_node, maps=maps, distrust=distrust.get(step))
+                                 spans_by_node=spans_by_node, maps=maps, distrust=distrust.get(step),
+                                 direct_by=direct_by, targets=box["load"].targets, received=received)
         t = lap("fetch_verify_s", t)
         skipped.extend(outcome.rejected)
         if outcome.failures:
@@ -319,10 +332,11 @@ def restore_newest(
             for s in need_by_node[node]
         }
         # shards this rank reads little of (replicated items another rank saved): mapped lazily
-        sparse = {s for s, (_, spans) in box["needs"].items()
+        sparse = {s for s, (_, spans, _) in box["needs"].items()
                   if 2 * sum(b - a for a, b in spans) < manifest.shard(s).size}
-        unchecked = {s: ids for s, (ids, _) in box["needs"].items() if s not in outcome.origin}
-        reader = ShardReader(manifest, paths, sparse=sparse, maps=maps, verify=unchecked)
+        unchecked = {s: ids for s, (ids, _, _) in box["needs"].items() if s not in outcome.origin}
+        reader = ShardReader(manifest, paths, sparse=sparse, maps=maps, verify=unchecked,
+                             received=received)
 
         def load(local: _LocalLoad = box["load"], reader: ShardReader = reader, step: int = step
                  ) -> tuple[str, int, str] | None:
@@ -379,6 +393,7 @@ def restore_newest(
             "bytes_read": nread,
             "read_s": round(reader.seconds_by_rank.get(shard, 0.0), 6),
             **({"fetch_bytes": origin[1], "fetch_s": round(origin[2], 6)} if origin else {}),
+            **({"in_place": True} if shard in received else {}),  # received into the state
         })
     return RestoreResult(step, manifest, sources, timings, reader.bytes_read, outcome.fetched_bytes, skipped)
 
@@ -403,6 +418,7 @@ class _LocalLoad:
     planner: SafeLoadPlanner
     plan: Any
     is_coordinator: bool
+    targets: dict[int, dict[tuple[int, int], torch.Tensor]] = field(default_factory=dict)
 
     def read(self, reader: ShardReader) -> None:
         reader.set_up_storage_reader(self.metadata, self.is_coordinator)
@@ -410,16 +426,21 @@ class _LocalLoad:
         reader.read_data(plan, self.planner).wait()
 
 
-def _needed_chunks(state_dict: dict[str, Any], manifest: Manifest, is_coordinator: bool
-                   ) -> tuple[dict[int, tuple[set[int], list[tuple[int, int]]]], _LocalLoad]:
+def _needed_chunks(state_dict: dict[str, Any], manifest: Manifest, is_coordinator: bool,
+                   remote: Collection[int] = ()
+                   ) -> tuple[dict[int, tuple[set[int], list[tuple[int, int]], list[tuple[int, int]]]],
+                              _LocalLoad]:
     """shard rank -> (indices of the chunks this rank's DCP load plan reads, the byte ranges
-    [start, end) it reads of them, merged); and the load itself, planned."""
+    [start, end) it reads of them, merged, and, for the shards in ``remote`` (not on this
+    node), the items it could receive in place: whole items of at least DIRECT_MIN bytes with a
+    plain destination, whose byte views the load keeps in ``targets``); and the load, planned."""
     metadata = manifest.to_dcp_metadata()
     planner = SafeLoadPlanner()
     planner.set_up_planner(state_dict, metadata, is_coordinator)
     plan = planner.create_local_plan()
     ranges: dict[int, list[tuple[int, int]]] = {}
     spans: dict[int, list[tuple[int, int]]] = {}
+    targets: dict[int, dict[tuple[int, int], torch.Tensor]] = {}
     items = {(s.rank, i.fqn, i.offset): i for s in manifest.shards for i in s.items}
     for item in plan.items:
         loc = metadata.storage_data[item.storage_index]
@@ -427,8 +448,21 @@ def _needed_chunks(state_dict: dict[str, Any], manifest: Manifest, is_coordinato
         off = item.storage_index.offset
         rec = items.get((loc.rank, item.storage_index.fqn, tuple(off) if off is not None else None))
         spans.setdefault(loc.rank, []).append(_read_span(loc.file_offset, loc.length, rec, item))
-    return ({s: (chunks_for_ranges(manifest.shard(s).chunks, rs), _merge(spans[s]))
-             for s, rs in ranges.items()}, _LocalLoad(metadata, planner, plan, is_coordinator))
+        if loc.rank in remote and rec is not None and item.type == LoadItemType.TENSOR \
+                and rec.length >= DIRECT_MIN:
+            target = planner.resolve_tensor(item).detach()
+            whole = (rec.file_offset, rec.file_offset + rec.length)
+            if plain_span(rec, item, target) == whole and byte_view(target) is not None:
+                targets.setdefault(loc.rank, {})[whole] = target.reshape(-1).view(torch.uint8)
+    direct: dict[int, list[tuple[int, int]]] = {}
+    for s, by_span in targets.items():
+        for a, b in sorted(by_span):
+            if direct.get(s) and a < direct[s][-1][1]:  # two destinations of the same bytes
+                del by_span[(a, b)]
+            else:
+                direct.setdefault(s, []).append((a, b))
+    return ({s: (chunks_for_ranges(manifest.shard(s).chunks, rs), _merge(spans[s]), direct.get(s, []))
+             for s, rs in ranges.items()}, _LocalLoad(metadata, planner, plan, is_coordinator, targets))
 
 
 def _read_span(file_offset: int, length: int, rec: Any, item: Any) -> tuple[int, int]:
@@ -502,12 +536,17 @@ def _gather_shards(
     spans_by_node: dict[str, dict[int, list[tuple[int, int]]]] | None = None,
     maps: dict[str, mmap.mmap] | None = None,
     distrust: Mapping[tuple[str, int], str] | None = None,
+    direct_by: Mapping[tuple[str, int], tuple[int, list[tuple[int, int]]]] | None = None,
+    targets: Mapping[int, Mapping[tuple[int, int], torch.Tensor]] | None = None,
+    received: dict[int, Received] | None = None,
 ) -> _Outcome:
     """Make every node hold copies of the shards it needs (collective): local copies checked
     for size and index (their chunks' crc32c is checked as the load streams them), copies from
     elsewhere verified whole on arrival. ``maps`` receives the mappings of the shards received
     whole (path -> mapping), which the load then reads instead of mapping them again.
-    ``distrust``: (node, shard) -> why: local copies a load found damaged, fetched again."""
+    ``distrust``: (node, shard) -> why: local copies a load found damaged, fetched again.
+    ``direct_by``: (node, shard) -> (rank, item ranges): a peer's copy goes straight into that
+    rank's ``targets`` (restore_direct); what it received lands in ``received``."""
     distrust = distrust or {}
     step = manifest.step
     out = _Outcome()
@@ -572,7 +611,10 @@ def _gather_shards(
             full = len(ids) == len(manifest.shard(s).chunks)
             spans = (spans_by_node or {}).get(n, {}).get(s)
             chunks = manifest.shard(s).chunks
-            if (options[0] not in (DURABLE, REBUILD) and spans is not None
+            if options[0] not in (DURABLE, REBUILD) and (n, s) in (direct_by or {}):
+                rank, ranges = (direct_by or {})[(n, s)]
+                transfers.append((s, options[0], n, Direct(ids, rank, ranges)))
+            elif (options[0] not in (DURABLE, REBUILD) and spans is not None
                     and sum(b - a for a, b in spans)
                     <= RANGE_SHARE * sum(chunks[i].length for i in ids)):
                 transfers.append((s, options[0], n, (ids, spans)))  # only the bytes it reads
@@ -589,7 +631,8 @@ def _gather_shards(
         results = []
         if peer:
             assert transport is not None
-            results = _run_transfers(store, group, transport, manifest, peer, worker, maps=maps)
+            results = _run_transfers(store, group, transport, manifest, peer, worker, maps=maps,
+                                     targets=targets, received=received)
         if rebuilds:
             assert transport is not None
             results += _run_rebuilds(store, group, transport, manifest, rebuilds, worker,

@@ -10,7 +10,7 @@ import mmap
 import os
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -38,6 +38,7 @@ from aegis.snapshot.shard import (
     verify_chunks,
 )
 from aegis.snapshot.transport import Recv, Send, Transport
+from aegis.training.restore_direct import Direct, Received, check_received, pieces
 
 
 def _fixed(view: torch.Tensor) -> Callable[[list[int]], list[torch.Tensor]]:
@@ -85,13 +86,16 @@ def _run_transfers(
     worker: Callable[[str, int], int],
     *,
     maps: dict[str, mmap.mmap] | None = None,
+    targets: Mapping[int, Mapping[tuple[int, int], torch.Tensor]] | None = None,
+    received: dict[int, Received] | None = None,
 ) -> list[tuple[int, str, str, str | None, int, float, bool]]:
     """One round of copies between nodes: a whole shard (ids None), the chunks a node needs
     (a set of chunk ids: their byte runs, the index and footer), or only the byte ranges it
     reads ((ids, spans): the sender checks those chunks against the manifest first and sends
     the spans with a crc32c of each, which the receiver checks). Receivers verify what arrives
     before it is used. A whole shard received and verified keeps its mapping in ``maps`` (under
-    its final path) for the load."""
+    its final path) for the load. A :class:`Direct` transfer goes straight into the receiving
+    rank's ``targets`` (restore_direct); what it received is put in ``received``."""
     step = manifest.step
     sends: list[Send] = []
     recvs: list[Recv] = []
@@ -99,8 +103,36 @@ def _run_transfers(
     incoming: dict[int, tuple[Slot, str, str, set[int] | None]] = {}
     spans_in: dict[int, tuple[Slot, str, str, list[tuple[int, int]], list[torch.Tensor]]] = {}
     t0 = time.perf_counter()
+    direct = [t for t in transfers if isinstance(t[3], Direct)]
     ranged = [t for t in transfers if isinstance(t[3], tuple)]
-    transfers = [t for t in transfers if not isinstance(t[3], tuple)]
+    transfers = [t for t in transfers if not isinstance(t[3], (tuple, Direct))]
+    into: dict[int, tuple[str, str, Direct, list[tuple[int, int, torch.Tensor]]]] = {}
+    for s, src, dst, d in direct:
+        sender = worker(src, s)
+        rec = manifest.shard(s)
+        cut = pieces(_runs(list(rec.chunks), d.ids), d.ranges)
+        if sender == group.rank:
+            try:
+                with open(store.shard_path(step, s), "rb") as f:
+                    if os.fstat(f.fileno()).st_size != rec.size:
+                        raise ValueError("size differs from the manifest")
+                    m = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                                  prot=mmap.PROT_READ)
+                opened.append(m)
+                with warnings.catch_warnings():  # read-only mapping: the transport only reads it
+                    warnings.simplefilter("ignore", UserWarning)
+                    whole = torch.frombuffer(m, dtype=torch.uint8)
+            except (OSError, ValueError):  # as many bytes, which the receiver's check rejects
+                whole = torch.zeros(rec.size, dtype=torch.uint8)
+            parts = [whole[a:b] for a, b, _ in cut]
+            sends.extend(Send(d.rank, parts[i:i + 4]) for i in range(0, len(parts), 4))
+        if d.rank == group.rank:
+            mine = (targets or {}).get(s, {})
+            got = [(a, b, mine[(a, b)] if is_direct else torch.empty(b - a, dtype=torch.uint8))
+                   for a, b, is_direct in cut]
+            into[s] = (src, dst, d, got)
+            bufs = [x[2] for x in got]
+            recvs.extend(Recv(sender, _fixed_many(bufs[i:i + 4])) for i in range(0, len(bufs), 4))
     for s, src, dst, (ids, spans) in ranged:
         sender, receiver = worker(src, s), worker(dst, s)
         rec = manifest.shard(s)
@@ -214,6 +246,17 @@ def _run_transfers(
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(slot.path)
         results.append((s, src, dst, err, nbytes, secs, ids is not None))
+    for s, (src, dst, d, got) in sorted(into.items()):
+        rec = manifest.shard(s)
+        err = None
+        try:
+            check_received(got, rec.chunks, sorted(d.ids), step=step, rank=s, where=f"copy from node {src!r}")
+            if received is not None:
+                received[s] = Received({(a, b) for a, b, _ in got if (a, b) in set(d.ranges)},
+                                       [(a, b, buf) for a, b, buf in got if (a, b) not in set(d.ranges)])
+        except CorruptShardError as e:
+            err = str(e)
+        results.append((s, src, dst, err, sum(b - a for a, b, _ in got), secs, False))
     for s, (slot, src, dst, spans, bufs) in sorted(spans_in.items()):
         data, crcs = bufs[0], bufs[1].view(torch.int64)
         err = None
