@@ -99,6 +99,25 @@ def test_a_replacement_nodes_one_rank_receives_its_shard_into_its_state(store_di
         assert any("rank 1, chunk 0" in x and "'a'" in x for x in out[1]["skipped"]), out[1]["skipped"]
 
 
+def test_a_rejected_local_copy_is_removed_once_the_shard_came_from_elsewhere(store_dir: Path) -> None:
+    """A node's file for the step that fails its check (here: another size, as a split round's
+    file of the same step number had) is loaded from a peer instead, into the state, and then
+    removed: the node never again vouches for it (found by bench/recovery.py at 1 GB per rank:
+    a node kept such a file, wrote the step's manifest beside it, and a later restore on that
+    node alone found the step broken)."""
+    saved = run_ranks(2, _save, str(store_dir), ["a", "b"], 1)[0]
+    path = NodeStore(store_dir / "a", JOB).shard_path(3, 0)
+    path.write_bytes(b"x" * 1000)
+    # 2 -> 3 ranks: rank 0 (node a) reads part of shard 0, fetched as byte ranges from b
+    out = run_ranks(3, _restore, str(store_dir), ["a", "b", "c"], 1)
+    assert [o["step"] for o in out] == [3, 3, 3]
+    assert_bitwise_equal(saved, out[0]["full"])
+    src = {s["shard"]: s for s in out[0]["sources"]}[0]
+    assert (src["source"], src["node"]) == ("peer", "b"), src
+    assert any("a (local copy)" in x and "1000 bytes" in x for x in out[0]["skipped"]), out[0]["skipped"]
+    assert not path.exists()
+
+
 def test_shrink_to_the_surviving_node(store_dir: Path) -> None:
     saved = run_ranks(4, _save, str(store_dir), ["a", "a", "b", "b"], 1)[0]
     lose(store_dir, "b")

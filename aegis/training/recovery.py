@@ -362,6 +362,14 @@ def restore_newest(
 
     apply_state(state_dict, manifest)
     t = lap("apply_s", t)
+    # A local copy rejected in this restore (damaged, or another timeline's file of the same
+    # step number) and not replaced by a whole copy is removed: left in place, the manifest
+    # written below would vouch for it and the next restore would find the step broken here.
+    if is_leader:
+        for n, s in sorted(outcome.stale):
+            if n == node:
+                with contextlib.suppress(FileNotFoundError):
+                    store.shard_path(step, s).unlink()
     # A memory step's manifest goes to every node that now holds whole shards of it (a
     # replacement node included); the durable manifest describes objects, not node files.
     if is_leader and durable_manifest is None and any(
@@ -500,6 +508,8 @@ class _Outcome:
     failures: list[str] = field(default_factory=list)
     rejected: list[str] = field(default_factory=list)  # copies that failed verification
     partial: set[tuple[str, int]] = field(default_factory=set)  # (node, shard) fetched in part
+    # (node, shard): local copies rejected here and not replaced by a whole copy fetched after
+    stale: set[tuple[str, int]] = field(default_factory=set)
     origin: dict[int, tuple[str, int, float]] = field(default_factory=dict)  # shard -> (node, bytes, s)
     fetched_bytes: int = 0
 
@@ -585,6 +595,7 @@ def _gather_shards(
             good_copy.setdefault(s, []).append(n)
         else:
             pending.add((n, s))
+            out.stale.add((n, s))
             tried.setdefault((n, s), []).append(f"{n} (local copy): {err}")
             used.setdefault((n, s), set()).add(n)
             out.rejected.append(f"{n} (local copy): {err}")
@@ -647,6 +658,8 @@ def _gather_shards(
             if err is None:
                 if part:
                     out.partial.add((dst, s))
+                else:  # a whole verified copy replaced the node's file
+                    out.stale.discard((dst, s))
                 if dst == node:
                     out.origin[s] = (src, nbytes, secs)
                     out.fetched_bytes += nbytes

@@ -256,7 +256,8 @@ def _run_transfers(
                                        [(a, b, buf) for a, b, buf in got if (a, b) not in set(d.ranges)])
         except CorruptShardError as e:
             err = str(e)
-        results.append((s, src, dst, err, sum(b - a for a, b, _ in got), secs, False))
+        # "part": no whole file of the shard was written on the receiving node
+        results.append((s, src, dst, err, sum(b - a for a, b, _ in got), secs, True))
     for s, (slot, src, dst, spans, bufs) in sorted(spans_in.items()):
         data, crcs = bufs[0], bufs[1].view(torch.int64)
         err = None
