@@ -20,7 +20,6 @@ import mmap
 import os
 import time
 import warnings
-import weakref
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -247,23 +246,25 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
-# mesh -> (placements, global shape, local shape) -> the local chunk; a mesh dropped (groups
-# re-formed in place) takes its entries with it
-_chunk_memo: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], list[ChunkStorageMetadata]]] = (
-    weakref.WeakKeyDictionary())
+# (mesh shape, this rank's coordinate, placements, global shape, local shape) -> the local
+# chunk: everything DTensor's computation of it reads. Not keyed by the mesh object: meshes
+# re-formed in place compare equal to the old ones while this process's coordinate changed.
+_chunk_memo: dict[tuple[Any, ...], list[ChunkStorageMetadata]] = {}
 
 
 def _dtensor_chunks(t: DTensor) -> list[ChunkStorageMetadata]:
-    """``t.__create_chunk_list__()``, memoized on what decides it: the mesh (this rank's
-    coordinate in it), the placements, the global and the local shape."""
-    try:
-        memo = _chunk_memo.setdefault(t.device_mesh, {})
-    except TypeError:  # a mesh that cannot be referenced weakly: not memoized
+    """``t.__create_chunk_list__()``, memoized on what decides it."""
+    mesh = t.device_mesh
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
         return t.__create_chunk_list__()
-    key = (tuple(t.placements), tuple(t.shape), tuple(t._local_tensor.shape))
-    got = memo.get(key)
+    key = (tuple(mesh.shape), tuple(coordinate), tuple(t.placements), tuple(t.shape),
+           tuple(t._local_tensor.shape))
+    got = _chunk_memo.get(key)
     if got is None:
-        got = memo[key] = t.__create_chunk_list__()
+        if len(_chunk_memo) > 65536:
+            _chunk_memo.clear()
+        got = _chunk_memo[key] = t.__create_chunk_list__()
     return got
 
 
@@ -451,8 +452,7 @@ class ShardReader(StorageReader):
                     # (tmpfs), mapped without the page faults of a private copy-on-write mapping.
                     # (a streamed shard's mapping serves the few items left: never populated)
                     sparse = rank in self.sparse or rank in self._streamed
-                    populate = 0 if sparse else getattr(mmap, "MAP_POPULATE", 0)
-                    m = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ)
+                    m = hostmem.map_file(f.fileno(), 0, write=False, populate=not sparse)
             self._maps[rank] = m
             kept = hostmem.lookup(str(path))
             if kept is not None and kept.pinned:  # this process registered it: copies run at DMA speed

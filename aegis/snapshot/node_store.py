@@ -391,8 +391,7 @@ class NodeStore:
                 self._check_index(f.fileno(), tail, size, record, step, where, path)
                 return
             whole = chunks is None or len(chunks) >= len(record.chunks)
-            populate = getattr(mmap, "MAP_POPULATE", 0) if whole else 0
-            m = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ)
+            m = hostmem.map_file(f.fileno(), 0, write=False, populate=whole)
             kept = False
             try:
                 verify_chunks(m, record.chunks, step=step, rank=record.rank, where=where, only=chunks)
@@ -532,7 +531,6 @@ class Slot:
             self._map, self._view, self.capacity, self.pinned = kept.mm, kept.view, cap, kept.pinned
             return
         os.ftruncate(self.fd, cap)
-        flags = mmap.MAP_SHARED
         if prefault:
             try:  # tmpfs allocates (and zeroes) the pages here
                 os.posix_fallocate(self.fd, 0, cap)
@@ -544,8 +542,8 @@ class Slot:
                         "its tmpfs, lower keep, or point AEGIS_STORE_DIR at a larger tmpfs"
                     ) from e
                 # EOPNOTSUPP/EINVAL: no fallocate here; pages are faulted on first touch
-            flags |= getattr(mmap, "MAP_POPULATE", 0)
-        self._map = mmap.mmap(self.fd, cap, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        # page tables filled now, with the GIL released (hostmem.map_file)
+        self._map = hostmem.map_file(self.fd, cap, write=True, populate=prefault)
         self.capacity = cap
         self._view = torch.frombuffer(self._map, dtype=torch.uint8)
 

@@ -21,6 +21,7 @@ from aegis.errors import (
     CorruptShardError,
     ManifestError,
 )
+from aegis.snapshot import hostmem
 from aegis.snapshot.durable import fetch_chunks
 from aegis.snapshot.manifest import (
     ChunkRecord,
@@ -116,8 +117,7 @@ def _run_transfers(
                 with open(store.shard_path(step, s), "rb") as f:
                     if os.fstat(f.fileno()).st_size != rec.size:
                         raise ValueError("size differs from the manifest")
-                    m = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                                  prot=mmap.PROT_READ)
+                    m = hostmem.map_file(f.fileno(), 0, write=False, populate=True)
                 opened.append(m)
                 with warnings.catch_warnings():  # read-only mapping: the transport only reads it
                     warnings.simplefilter("ignore", UserWarning)
@@ -184,8 +184,7 @@ def _run_transfers(
                         raise ValueError(f"{size} bytes, the manifest says {rec.size}")
                     # shared and read-only, populated at once (a private copy-on-write mapping
                     # faulted each page in as the transport read it)
-                    populate = getattr(mmap, "MAP_POPULATE", 0) if ids is None else 0
-                    m = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ)
+                    m = hostmem.map_file(f.fileno(), 0, write=False, populate=ids is None)
                 opened.append(m)
                 with warnings.catch_warnings():  # read-only mapping: the transport only reads it
                     warnings.simplefilter("ignore", UserWarning)
