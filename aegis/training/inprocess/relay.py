@@ -61,13 +61,11 @@ def relay_root(store_addr: str, base: str = "/dev/shm") -> Path:
 
 def _write(path: Path, doc: dict[str, Any]) -> None:
     """Whole or not at all: a reader never sees a torn file."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    with open(tmp, "w") as fh:
-        fh.write(json.dumps(doc, separators=(",", ":")))
-    os.replace(tmp, path)
+    _write_bytes(path, json.dumps(doc, separators=(",", ":")).encode())
 
 
 def _write_bytes(path: Path, data: bytes) -> None:
+    """``data`` to ``path`` through a temporary file and a rename (never torn)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     with open(tmp, "wb") as fh:
         fh.write(data)
