@@ -84,3 +84,14 @@ def test_byte_view_only_for_plain_cpu_tensors() -> None:
     assert byte_view(t.t()) is None  # not contiguous
     assert byte_view(torch.zeros(0)) is None
     assert byte_view(torch.ones(2, dtype=torch.bfloat16)) is not None
+
+
+def test_a_destination_outside_the_chunks_read_is_refused(tmp_path: Path) -> None:
+    path, _, chunks = _shard(tmp_path, 48_000, 16_000)
+    dst = torch.zeros(2_000, dtype=torch.uint8)
+    fd = os.open(path, os.O_RDONLY)
+    try:  # bytes 31_000..33_000 run into chunk 2, which is not read: never left unwritten
+        with pytest.raises(ValueError, match="not in the chunks read"):
+            stream_chunks(fd, chunks, [1], [(31_000, 33_000, byte_view(dst))], step=1, rank=0, where="t")  # type: ignore[list-item]
+    finally:
+        os.close(fd)

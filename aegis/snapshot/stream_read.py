@@ -98,6 +98,18 @@ def stream_chunks(
     segs = sorted(segments, key=lambda s: s[0])
     starts = [s[0] for s in segs]
     ids = sorted(set(needed))
+    covered: list[tuple[int, int]] = []  # the needed chunks' bytes, merged
+    for i in ids:
+        a, b = chunks[i].offset, chunks[i].offset + chunks[i].length
+        if covered and a <= covered[-1][1]:
+            covered[-1] = (covered[-1][0], max(covered[-1][1], b))
+        else:
+            covered.append((a, b))
+    for a, b, dst in segs:  # a destination outside them would be left unwritten, silently
+        k = bisect.bisect_right(covered, a, key=lambda x: x[0]) - 1
+        if k < 0 or b > covered[k][1] or len(dst) != b - a:
+            raise ValueError(f"internal: bytes {a}..{b} of the shard of rank {rank} are not in "
+                             "the chunks read, or their destination has another size")
 
     def one(i: int) -> tuple[int, int]:
         c = chunks[i]
