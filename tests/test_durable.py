@@ -28,12 +28,14 @@ def _mgr(store: str, url: str, model, opt, sched, **kw):  # type: ignore[no-unty
                    durable=url, verbose=False, **kw)
 
 
-def _train_upload(rank: int, world: int, store: str, url: str, steps: int, env: dict) -> Any:
+def _train_upload(rank: int, world: int, store: str, url: str, steps: int, env: dict,
+                  kw: dict[str, Any] | None = None) -> Any:
     import os
 
     os.environ.update(env)
     model, opt, sched = build(world)
-    mgr = _mgr(store, url, model, opt, sched, durable_every=2, durable_keep_last=2, durable_keep_every=4)
+    mgr = _mgr(store, url, model, opt, sched, durable_every=2, durable_keep_last=2, durable_keep_every=4,
+               **(kw or {}))
     start = mgr.restore()  # 0 on a fresh store; a relaunch goes on from its newest snapshot
     for step in range(start + 1, steps + 1):
         train_step(model, opt, sched, step, rank)
@@ -65,7 +67,8 @@ def _restore(rank: int, world: int, store: str, url: str, env: dict) -> Any:
     nxt = train_step(model, opt, sched, step + 1, rank)
     mgr.close()
     return {"step": step, "full": full if rank == 0 else None, "next": nxt,
-            "tiers": sorted({s["tier"] for s in res.sources}) if res else []}
+            "tiers": sorted({s["tier"] for s in res.sources}) if res else [],
+            "in_place": sorted((s["shard"], bool(s.get("in_place"))) for s in res.sources) if res else []}
 
 
 @pytest.fixture(params=["file", "s3"])
@@ -77,21 +80,31 @@ def durable_url(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, di
     return f"s3://{bucket}/ckpt", env
 
 
+@pytest.mark.parametrize("min_gain", [None, 0.0], ids=["default", "planes"])
 def test_whole_job_loss_restores_the_newest_durable_step_bitwise(store_dir: Path,
-                                                                 durable_url: tuple[str, dict]) -> None:
+                                                                 durable_url: tuple[str, dict],
+                                                                 min_gain: float | None) -> None:
+    """Restored into the state from raw chunks (the default: the model's fp32 state does not
+    compress by 25%) and from byte-plane chunks (``durable_min_gain=0``)."""
     url, env = durable_url
-    (saved, nxt0), (_, nxt1) = run_ranks(2, _train_upload, str(store_dir), url, 6, env)
+    kw = {} if min_gain is None else {"durable_min_gain": min_gain}
+    (saved, nxt0), (_, nxt1) = run_ranks(2, _train_upload, str(store_dir), url, 6, env, kw)
     store = open_store(url)
     committed, uncommitted = list_steps(store, JOB)
     # uploads at 2, 4, 6; retention keeps the last 2 and every 4th
     assert committed == [4, 6] and uncommitted == []
     m = json.loads(store.get(manifest_key(JOB, 6)))
     codecs = {row[4].split(":")[0] for s in m["shards"] for row in s["chunks"]}
-    assert "xplanes" in codecs  # float32 chunks went through the byte-plane codec
+    # float32 chunks went raw by default, through the byte-plane codec with min_gain=0
+    assert ("xplanes" if min_gain == 0 else "raw") in codecs, codecs
     shutil.rmtree(store_dir)  # every node store is gone: only the object store survives
     out = run_ranks(2, _restore, str(store_dir), url, env)
     assert [o["step"] for o in out] == [6, 6]
     assert out[0]["tiers"] == ["durable"]
+    # both ways in: a shard with one reader on the node straight into the state, a shard two
+    # ranks read (replicated items de-duplicated into it) through a partial file
+    ways = {p for o in out for _, p in o["in_place"]}
+    assert ways == {True, False}, [o["in_place"] for o in out]
     assert_bitwise_equal(saved, out[0]["full"])
     assert [o["next"] for o in out] == [nxt0, nxt1]  # training continues with the same losses
 

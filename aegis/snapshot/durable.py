@@ -23,6 +23,7 @@ upload or a catch-up waits for ever waits on it.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import mmap
@@ -32,7 +33,7 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -538,8 +539,8 @@ class Uploader:
                     result.raw_bytes += c.length
                     result.stored_bytes += len(blob)
                     result.chunks += 1
-                return dataclasses.replace(c, codec=desc, stored_length=len(blob),
-                                           stored_crc32c=crc32c(blob))
+                return dataclasses.replace(c, codec=desc, stored_length=len(blob),  # raw: checked above
+                                           stored_crc32c=c.crc32c if desc == "raw" else crc32c(blob))
 
             # bounded memory: at most max_inflight chunks encoded and in flight at once
             with ThreadPoolExecutor(max_workers=self.max_inflight) as pool:
@@ -582,6 +583,22 @@ def fetch_chunk_into(store: ObjectStore, job: str, manifest: Manifest, shard: in
     before decoding (a decode bounded to the chunk's length), the raw crc32c after, over ``out``;
     CorruptShardError names the object key (``out`` then holds no trusted bytes)."""
     c = manifest.shard(shard).chunks[i]
+    if len(out) != c.length:
+        raise AegisError(f"internal: a {len(out)}-byte destination for the {c.length}-byte chunk "
+                         f"{chunk_key(job, manifest.step, shard, i)}")
+    data, stored = _verified_chunk(store, job, manifest, shard, i, out)
+    if data is not out:
+        out[:] = data
+    return stored
+
+
+def _verified_chunk(store: ObjectStore, job: str, manifest: Manifest, shard: int, i: int,
+                    scratch: memoryview) -> tuple[memoryview, int]:
+    """Chunk ``i`` of ``shard`` downloaded and verified: (its raw bytes, the stored bytes
+    downloaded). A raw chunk is the downloaded object itself, checked once (its stored crc32c is
+    its raw crc32c); another is decoded into ``scratch`` (the chunk's length) and its raw crc32c
+    checked there."""
+    c = manifest.shard(shard).chunks[i]
     step = manifest.step
     key = chunk_key(job, step, shard, i)
     where = f"{store.url}/{key}"
@@ -595,46 +612,71 @@ def fetch_chunk_into(store: ObjectStore, job: str, manifest: Manifest, shard: in
             f"truncated or corrupt ({len(blob)} bytes, manifest says {c.stored_length})",
             step=step, rank=shard, chunk=i, where=where)
     stored = len(blob)
-    if len(out) != c.length:
-        raise AegisError(f"internal: a {len(out)}-byte destination for the {c.length}-byte chunk {where}")
+    if c.codec == "raw" and c.stored_length == c.length and c.stored_crc32c == c.crc32c:
+        return memoryview(blob), stored  # the bytes just checked are the chunk's raw bytes
     try:
-        decode_into(blob, c.codec, out, where=where)
+        decode_into(blob, c.codec, scratch, where=where)
     except MemoryError as e:  # a zstd frame header may declare any size; decoding allocates it
         raise CorruptShardError(
             f"{where}: cannot decode (a compressed frame declares more bytes than the chunk's "
             f"{c.length}); the object is damaged or forged", step=step, rank=shard, chunk=i,
             where=where) from e
     del blob
-    if crc32c(out) != c.crc32c:
+    if crc32c(scratch) != c.crc32c:
         raise CorruptShardError(f"crc32c mismatch in step {step}, rank {shard}, chunk {i} after "
                                 f"decoding {where}", step=step, rank=shard, chunk=i, where=where)
-    return stored
+    return scratch, stored
+
+
+Piece = tuple[int, int, memoryview]
+"""``(start, end, dst)``: the shard's bytes [start, end) go to ``dst`` (writable, end - start
+bytes)."""
 
 
 def fetch_chunks(store: ObjectStore, job: str, manifest: Manifest, shard: int, ids: Iterable[int],
-                 out: memoryview | int, *, threads: int = 4) -> int:
-    """Download, verify and decode chunks of one shard, ``threads`` at a time
-    (:func:`fetch_chunk_into`), into ``out``: a view of the whole shard, or the file descriptor
-    of its file (written with ``pwrite``: into a fresh tmpfs file 1.6x as fast as through a
-    mapping, whose every page faulted in; measured here). Each chunk is decoded into its
-    thread's own buffer and written only once verified: nothing unverified reaches ``out``.
-    Returns the stored bytes downloaded."""
+                 out: memoryview | int | Sequence[Piece], *, threads: int = 4) -> int:
+    """Download, verify and decode chunks of one shard, ``threads`` at a time, into ``out``: a
+    view of the whole shard; the file descriptor of its file (written with ``pwrite``: into a
+    fresh tmpfs file 1.6x as fast as through a mapping, whose every page faulted in; measured
+    here); or ``pieces`` (sorted, disjoint, covering the chunks): a restore's destination
+    tensors and scratch buffers (``restore_direct``). Each chunk is verified before any of its
+    bytes is written: nothing unverified reaches ``out``. A raw chunk is copied from the
+    downloaded object, any other decoded into its thread's own buffer first. Returns the stored
+    bytes downloaded."""
     rec = manifest.shard(shard)
     local = threading.local()
+    pieces = None if isinstance(out, (int, memoryview)) else list(out)
+    starts = [p[0] for p in pieces or ()]
 
     def one(i: int) -> int:
         c = rec.chunks[i]
         buf = getattr(local, "buf", None)
         if buf is None or len(buf) < c.length:
             buf = local.buf = bytearray(c.length)
-        view = memoryview(buf)[:c.length]
-        stored = fetch_chunk_into(store, job, manifest, shard, i, view)
-        if isinstance(out, int):
+        data, stored = _verified_chunk(store, job, manifest, shard, i, memoryview(buf)[:c.length])
+        lo, hi = c.offset, c.offset + c.length
+        if pieces is not None:
+            pos = lo
+            k = max(0, bisect.bisect_right(starts, lo) - 1)
+            while pos < hi and k < len(pieces):
+                a, b, dst = pieces[k]
+                k += 1
+                if b <= pos:
+                    continue
+                if a > pos:
+                    break
+                end = min(b, hi)
+                dst[pos - a:end - a] = data[pos - lo:end - lo]
+                pos = end
+            if pos < hi:
+                raise AegisError(f"internal: bytes {pos}..{hi} of chunk {i} of the shard of rank "
+                                 f"{shard} have no destination")
+        elif isinstance(out, int):
             done = 0
             while done < c.length:
-                done += os.pwrite(out, view[done:], c.offset + done)
-        else:
-            out[c.offset:c.offset + c.length] = view
+                done += os.pwrite(out, data[done:], lo + done)
+        elif isinstance(out, memoryview):
+            out[lo:hi] = data
         return stored
 
     with ThreadPoolExecutor(max_workers=threads) as pool:

@@ -76,6 +76,10 @@ class ManagerConfig:
         durable_level: the zstd level (1 by default: on byte planes of a trained model's bf16 weights it
             stored 0.68 of raw against level 3's 0.71, encoding 1.6x as fast: ``bench/codec.py
             --level 1`` vs ``--level 3``).
+        durable_min_gain: a chunk is stored compressed only when that saves at least this share
+            of its bytes, else raw (0.25: a trained model's fp32 state, 0.80-0.84 of raw in
+            planes, is stored raw, since decoding it costs more restore time than the fewer
+            bytes save; bf16 weights, 0.68, stay compressed; 0 compresses whatever shrinks).
         durable_max_pending: uploads queued behind the running one before further ones are skipped
             (with a warning event) instead of buffering snapshots without bound.
     """
@@ -105,6 +109,7 @@ class ManagerConfig:
     durable_keep_every: int = 0
     durable_codec: str = "planes"
     durable_level: int = 1
+    durable_min_gain: float = 0.25
     durable_max_pending: int = 2
 
     def __post_init__(self) -> None:
@@ -183,6 +188,10 @@ class ManagerConfig:
             raise ConfigError(f"durable_every_s={self.durable_every_s!r}: seconds > 0, or None")
         if self.durable_codec not in ("planes", "zstd", "raw"):
             raise ConfigError(f"durable_codec={self.durable_codec!r}: use planes, zstd or raw")
+        if isinstance(self.durable_min_gain, bool) or not isinstance(self.durable_min_gain, (int, float)) \
+                or not 0.0 <= self.durable_min_gain < 1.0:
+            raise ConfigError(f"durable_min_gain={self.durable_min_gain!r}: a share of the chunk's "
+                              "bytes in [0, 1), e.g. 0.25 (0 compresses whatever shrinks)")
 
     @property
     def store_root(self) -> Path:

@@ -98,6 +98,7 @@ class Manager:
         durable_keep_every: ... and every K-th step (0: none).
         durable_codec: ``"planes"`` (zstd over byte planes), ``"zstd"`` or ``"raw"``.
         durable_level: the zstd level.
+        durable_min_gain: the share of a chunk's bytes compression must save, else it is raw.
         durable_max_pending: uploads queued behind the running one before more are skipped.
 
     Each is a :class:`ManagerConfig` field, documented there in full.
@@ -137,6 +138,7 @@ class Manager:
         durable_keep_every: int = 0,
         durable_codec: str = "planes",
         durable_level: int = 1,
+        durable_min_gain: float = 0.25,
         durable_max_pending: int = 2,
     ) -> None:
         extra: dict[str, Any] = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
@@ -149,7 +151,8 @@ class Manager:
             every_max=every_max, durable=durable, durable_every=durable_every,
             durable_every_s=durable_every_s, durable_keep_last=durable_keep_last,
             durable_keep_every=durable_keep_every, durable_codec=durable_codec,
-            durable_level=durable_level, durable_max_pending=durable_max_pending,
+            durable_level=durable_level, durable_min_gain=durable_min_gain,
+            durable_max_pending=durable_max_pending,
             **extra,
         )
         # every="auto": the interval policy (pure) and what feeds it (see _auto_save).
@@ -242,7 +245,8 @@ class Manager:
                 self.durable_store,
                 self.store,
                 Group(new_snapshot_group(max(self.config.timeout, timedelta(minutes=30)), create)),
-                codec=Codec(self.config.durable_codec, self.config.durable_level),
+                codec=Codec(self.config.durable_codec, self.config.durable_level,
+                            min_gain=float(self.config.durable_min_gain)),
                 keep_last=self.config.durable_keep_last,
                 keep_every=self.config.durable_keep_every,
                 pin=self.engine.pin,

@@ -288,8 +288,8 @@ def restore_newest(
             check_state(sd, m)
 
         # shards this node does not hold (a replacement node's): may be received in place
-        remote = {s for s in range(manifest.world_size) if durable_manifest is None
-                  and s not in getattr(invs.get(node, {}).get(step), "shards", ())}
+        remote = {s for s in range(manifest.world_size)
+                  if s not in getattr(invs.get(node, {}).get(step), "shards", ())}
 
         def plan_needs(sd: dict[str, Any] = state_dict, m: Manifest = manifest,
                        out: dict[str, Any] = box, remote: set[int] = remote) -> tuple[str, Any]:
@@ -622,7 +622,7 @@ def _gather_shards(
             full = len(ids) == len(manifest.shard(s).chunks)
             spans = (spans_by_node or {}).get(n, {}).get(s)
             chunks = manifest.shard(s).chunks
-            if options[0] not in (DURABLE, REBUILD) and (n, s) in (direct_by or {}):
+            if options[0] != REBUILD and (n, s) in (direct_by or {}):
                 rank, ranges = (direct_by or {})[(n, s)]
                 transfers.append((s, options[0], n, Direct(ids, rank, ranges)))
             elif (options[0] not in (DURABLE, REBUILD) and spans is not None
@@ -649,8 +649,11 @@ def _gather_shards(
             results += _run_rebuilds(store, group, transport, manifest, rebuilds, worker,
                                      holders, parity_holders)
         for shard, origin, dst, wanted in transfers:
-            if origin == DURABLE and worker(dst, shard) == group.rank:
-                results.append(_fetch_durable(store, durable, manifest, shard, dst, wanted))
+            # into the state: by its one reader on the node; else by the shard's worker there
+            fetcher = wanted.rank if isinstance(wanted, Direct) else worker(dst, shard)
+            if origin == DURABLE and fetcher == group.rank:
+                results.append(_fetch_durable(store, durable, manifest, shard, dst, wanted,
+                                              targets=targets, received=received))
         pending = set()
         for s, src, dst, err, nbytes, secs, part in (
             x for xs in group.all_gather(results, "restore fetch") for x in xs

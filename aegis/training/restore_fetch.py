@@ -307,16 +307,36 @@ def _map_local(path: os.PathLike[str] | str) -> tuple[torch.Tensor | None, mmap.
 
 
 def _fetch_durable(store: NodeStore, durable: ObjectStore | None, manifest: Manifest, s: int,
-                   dst: str, ids: set[int] | None) -> tuple[int, str, str, str | None, int, float, bool]:
-    """Download the chunks of shard ``s`` that node ``dst`` needs into a sparse local file."""
+                   dst: str, ids: set[int] | Direct | None, *,
+                   targets: Mapping[int, Mapping[tuple[int, int], torch.Tensor]] | None = None,
+                   received: dict[int, Received] | None = None,
+                   ) -> tuple[int, str, str, str | None, int, float, bool]:
+    """Download the chunks of shard ``s`` that node ``dst`` needs into a sparse local file, or,
+    for a :class:`Direct` fetch, into this rank's ``targets`` (restore_direct: each chunk
+    verified, then copied into the destination tensors and scratch pieces it covers; what it
+    received goes into ``received``)."""
     assert durable is not None
     t0 = time.perf_counter()
     rec = manifest.shard(s)
+    err, nbytes = None, 0
+    if isinstance(ids, Direct):
+        mine = (targets or {}).get(s, {})
+        got = [(a, b, mine[(a, b)] if is_direct else torch.empty(b - a, dtype=torch.uint8))
+               for a, b, is_direct in pieces(_runs(list(rec.chunks), ids.ids), ids.ranges)]
+        try:
+            nbytes = fetch_chunks(durable, store.job, manifest, s, ids.ids,
+                                  [(a, b, memoryview(t.numpy())) for a, b, t in got])  # type: ignore[arg-type]
+            if received is not None:
+                direct = set(ids.ranges)
+                received[s] = Received({(a, b) for a, b, _ in got if (a, b) in direct},
+                                       [(a, b, t) for a, b, t in got if (a, b) not in direct])
+        except Exception as e:  # noqa: BLE001 - an unreachable store too: reported, never raised alone
+            err = str(e) if isinstance(e, CorruptShardError) else f"{type(e).__name__}: {e}"
+        return (s, DURABLE, dst, err, nbytes, time.perf_counter() - t0, True)
     wanted = set(range(len(rec.chunks))) if ids is None else ids
     store.step_dir(manifest.step).mkdir(mode=0o700, parents=True, exist_ok=True)
     path = store.partial_path(manifest.step, s)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-    err, nbytes = None, 0
     try:
         os.ftruncate(fd, rec.size)  # sparse: only the chunks fetched take memory
         nbytes = fetch_chunks(durable, store.job, manifest, s, wanted, fd)
