@@ -18,7 +18,7 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> ObjectStore:
     if request.param == "file":
         return open_store(f"file://{tmp_path}/durable")
     bucket = request.getfixturevalue("s3_bucket")
-    return open_store(f"s3://{bucket}/some/prefix", part_size=5 << 20)
+    return open_store(f"s3://{bucket}/some/prefix", part_size=5 << 20, multipart_threshold=5 << 20)
 
 
 def test_put_get_range_list_delete(store: ObjectStore) -> None:

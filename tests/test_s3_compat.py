@@ -30,7 +30,7 @@ def reduced(request: pytest.FixtureRequest, s3_server: str, s3_bucket: str,
             monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[S3Store, FaultProxy]]:
     with FaultProxy(s3_server, rate=0.0, unsupported=request.param) as proxy:
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
-        store = open_store(f"s3://{s3_bucket}/pre", part_size=5 << 20)
+        store = open_store(f"s3://{s3_bucket}/pre", part_size=5 << 20, multipart_threshold=5 << 20)
         assert isinstance(store, S3Store)
         yield store, proxy
         store.close()
@@ -98,7 +98,7 @@ def test_stale_uploads_are_aborted_from_markers_without_list_multipart_uploads(
         s3_server: str, s3_bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:
     with FaultProxy(s3_server, rate=0.0, unsupported=("list_multipart_uploads",)) as proxy:
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
-        store = open_store(f"s3://{s3_bucket}/pre", part_size=5 << 20)
+        store = open_store(f"s3://{s3_bucket}/pre", part_size=5 << 20, multipart_threshold=5 << 20)
         assert isinstance(store, S3Store)
         assert store.abort_stale_uploads("job/", 0.0) == 0  # learns: no listing
         assert store.capabilities.list_multipart_uploads is False

@@ -93,6 +93,15 @@ def map_file(fd: int, length: int, *, write: bool, populate: bool) -> mmap.mmap:
     return m
 
 
+def populate(t: Any, *, write: bool = False) -> bool:
+    """Fault in the pages under the tensor ``t`` (a view of a mapping), with the GIL released:
+    a sender populates each message's range just before handing it to the transport, while the
+    previous one is on the wire, instead of the whole mapping first. False where the kernel
+    lacks it (the pages then fault as they are read)."""
+    n = int(t.numel()) * int(t.element_size())
+    return n == 0 or _madvise_populate(int(t.data_ptr()), n, write=write)
+
+
 _lock = threading.Lock()
 _stats = {"registered_bytes": 0, "register_s": 0.0, "registrations": 0, "failures": 0,
           "reused": 0, "released": 0}

@@ -28,18 +28,24 @@ def _work(w: dist.Work | None) -> dist.Work:
 
 @dataclass
 class Send:
-    """Send ``parts`` (contiguous uint8 tensors, sent back to back) to rank ``dst``."""
+    """Send ``parts`` (contiguous uint8 tensors, sent back to back) to rank ``dst``;
+    ``ready()``, when given, runs just before they are handed over (e.g. to fault in the
+    pages they lie in), while the messages before it are on the wire."""
 
     dst: int
     parts: Sequence[torch.Tensor]
+    ready: Callable[[], object] | None = None
 
 
 @dataclass
 class Recv:
-    """Receive from ``src``; ``alloc(part_sizes)`` returns one uint8 tensor per part to fill."""
+    """Receive from ``src``; ``alloc(part_sizes)`` returns one uint8 tensor per part to fill;
+    ``done()``, when given, runs once they are filled (in list order, while later messages may
+    still arrive: e.g. to checksum them). It must not raise."""
 
     src: int
     alloc: Callable[[list[int]], Sequence[torch.Tensor]]
+    done: Callable[[], None] | None = None
 
 
 class Transport(abc.ABC):
@@ -102,22 +108,34 @@ class GlooTransport(Transport):
             headers.append(h)
             works.append(_work(dist.irecv(h, self._global(r.src), group=self.pg)))
         self._wait(works, "transfer header")
-        # 2. payloads, in the same order on both sides
+        # 2. payloads, in the same order on both sides: receives posted first, so no sender's
+        # ready() (run here, message by message) holds up a peer's sends into them
         works = []
-        for s in sends:
-            for p in s.parts:
-                if p.numel():
-                    works.append(_work(dist.isend(p, self._global(s.dst), group=self.pg)))
         received = 0
+        pending: list[tuple[Recv, list[dist.Work]]] = []
         for r, h in zip(recvs, headers, strict=True):
             n = int(h[0])
             sizes = [int(x) for x in h[1:1 + n]]
             bufs = r.alloc(sizes)
+            mine = []
             for buf, size in zip(bufs, sizes, strict=True):
                 if buf.numel() != size or buf.dtype != torch.uint8:
                     raise ValueError("alloc() must return uint8 tensors of the announced sizes")
                 if size:
-                    works.append(_work(dist.irecv(buf, self._global(r.src), group=self.pg)))
+                    mine.append(_work(dist.irecv(buf, self._global(r.src), group=self.pg)))
                 received += size
+            pending.append((r, mine))
+        for s in sends:
+            if s.ready is not None:
+                s.ready()
+            for p in s.parts:
+                if p.numel():
+                    works.append(_work(dist.isend(p, self._global(s.dst), group=self.pg)))
+        for r, mine in pending:
+            if r.done is not None:
+                self._wait(mine, "transfer")
+                r.done()
+            else:
+                works.extend(mine)
         self._wait(works, "transfer")
         return received

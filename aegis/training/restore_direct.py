@@ -17,7 +17,6 @@ that is gathered anyway) and one message per piece; nothing else grows with the 
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -28,7 +27,7 @@ from aegis.snapshot.manifest import ChunkRecord
 from aegis.snapshot.shard import crc32c
 from aegis.snapshot.stream_read import Received
 
-__all__ = ["DIRECT_MIN", "Direct", "Received", "pieces", "check_received"]
+__all__ = ["DIRECT_MIN", "ChunkCheck", "Direct", "Received", "pieces", "check_received"]
 
 # Items at least this large are received in place; smaller ones (step counters, scalars) ride in
 # the scratch pieces between them and are copied after the check (a message each would cost more
@@ -68,29 +67,67 @@ class Direct:
     ranges: list[tuple[int, int]]
 
 
+class ChunkCheck:
+    """crc32c of the chunks ``ids`` over pieces fed in shard order, as they arrive (a receiver
+    checks each message while the next ones are on the wire); :meth:`finish` raises
+    CorruptShardError for the first chunk that did not match or was not fully received."""
+
+    def __init__(self, chunks: Sequence[ChunkRecord], ids: Sequence[int], *, step: int, rank: int,
+                 where: str) -> None:
+        self.chunks, self.ids = chunks, sorted(ids)
+        self.step, self.rank, self.where = step, rank, where
+        self.k, self.crc = 0, 0
+        self.pos = chunks[self.ids[0]].offset if self.ids else 0
+        self.error: CorruptShardError | None = None
+
+    def _fail(self, i: int, missing: int | None) -> None:
+        c = self.chunks[i]
+        lo, hi = c.offset, c.offset + c.length
+        self.error = CorruptShardError(
+            f"crc32c mismatch in step {self.step}, rank {self.rank}, chunk {i} (bytes {lo}..{hi}) "
+            f"of {self.where}" + ("" if missing is None else f": bytes from {missing} were not received"),
+            step=self.step, rank=self.rank, chunk=i, where=self.where)
+
+    def feed(self, parts: Sequence[tuple[int, int, torch.Tensor]]) -> None:
+        """The next received pieces ((start, end, uint8 tensor), in order)."""
+        for start, b, buf in parts:
+            a = start  # the first byte of the piece not yet consumed
+            while self.error is None and self.k < len(self.ids) and a < b:
+                i = self.ids[self.k]
+                c = self.chunks[i]
+                hi = c.offset + c.length
+                if a >= hi:  # a piece past this chunk: its bytes never came
+                    self._fail(i, self.pos)
+                    break
+                if a > self.pos:
+                    self._fail(i, self.pos)
+                    break
+                end = min(b, hi)
+                if end > self.pos:
+                    view = buf[self.pos - start:end - start]
+                    self.crc = crc32c(memoryview(view.numpy()), self.crc)  # type: ignore[arg-type]
+                    self.pos = end
+                a = end
+                if self.pos == hi:
+                    if self.crc != c.crc32c:
+                        self._fail(i, None)
+                        break
+                    self.k += 1
+                    self.crc = 0
+                    if self.k < len(self.ids):
+                        self.pos = self.chunks[self.ids[self.k]].offset
+
+    def finish(self) -> None:
+        if self.error is None and self.k < len(self.ids):
+            self._fail(self.ids[self.k], self.pos)
+        if self.error is not None:
+            raise self.error
+
+
 def check_received(parts: Sequence[tuple[int, int, torch.Tensor]], chunks: Sequence[ChunkRecord],
                    ids: Sequence[int], *, step: int, rank: int, where: str) -> None:
     """crc32c of every chunk ``ids`` over the received ``parts`` ((start, end, uint8 tensor),
     in order, covering those chunks); raise CorruptShardError at the first mismatch."""
-    starts = [p[0] for p in parts]
-    for i in sorted(ids):
-        c = chunks[i]
-        lo, hi = c.offset, c.offset + c.length
-        crc, pos = 0, lo
-        k = max(0, bisect.bisect_right(starts, lo) - 1)
-        while pos < hi and k < len(parts):
-            a, b, buf = parts[k]
-            k += 1
-            if b <= pos:
-                continue
-            if a > pos:
-                break
-            end = min(b, hi)
-            view = buf[pos - a:end - a]
-            crc = crc32c(memoryview(view.numpy()), crc)  # type: ignore[arg-type]
-            pos = end
-        if pos < hi or crc != c.crc32c:
-            raise CorruptShardError(
-                f"crc32c mismatch in step {step}, rank {rank}, chunk {i} (bytes {lo}..{hi}) of "
-                f"{where}" + ("" if pos >= hi else f": bytes from {pos} were not received"),
-                step=step, rank=rank, chunk=i, where=where)
+    check = ChunkCheck(chunks, ids, step=step, rank=rank, where=where)
+    check.feed(parts)
+    check.finish()

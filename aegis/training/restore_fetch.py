@@ -6,6 +6,7 @@ arrival (crc32c of every chunk).
 from __future__ import annotations
 
 import contextlib
+import functools
 import mmap
 import os
 import time
@@ -39,7 +40,7 @@ from aegis.snapshot.shard import (
     verify_chunks,
 )
 from aegis.snapshot.transport import Recv, Send, Transport
-from aegis.training.restore_direct import Direct, Received, check_received, pieces
+from aegis.training.restore_direct import ChunkCheck, Direct, Received, pieces
 
 
 def _fixed(view: torch.Tensor) -> Callable[[list[int]], list[torch.Tensor]]:
@@ -107,7 +108,7 @@ def _run_transfers(
     direct = [t for t in transfers if isinstance(t[3], Direct)]
     ranged = [t for t in transfers if isinstance(t[3], tuple)]
     transfers = [t for t in transfers if not isinstance(t[3], (tuple, Direct))]
-    into: dict[int, tuple[str, str, Direct, list[tuple[int, int, torch.Tensor]]]] = {}
+    into: dict[int, tuple[str, str, Direct, list[tuple[int, int, torch.Tensor]], ChunkCheck]] = {}
     for s, src, dst, d in direct:
         sender = worker(src, s)
         rec = manifest.shard(s)
@@ -117,22 +118,27 @@ def _run_transfers(
                 with open(store.shard_path(step, s), "rb") as f:
                     if os.fstat(f.fileno()).st_size != rec.size:
                         raise ValueError("size differs from the manifest")
-                    m = hostmem.map_file(f.fileno(), 0, write=False, populate=True)
+                    # populated message by message (ready), while the previous one is sent
+                    m = hostmem.map_file(f.fileno(), 0, write=False, populate=False)
                 opened.append(m)
                 with warnings.catch_warnings():  # read-only mapping: the transport only reads it
                     warnings.simplefilter("ignore", UserWarning)
                     whole = torch.frombuffer(m, dtype=torch.uint8)
             except (OSError, ValueError):  # as many bytes, which the receiver's check rejects
                 whole = torch.zeros(rec.size, dtype=torch.uint8)
-            parts = [whole[a:b] for a, b, _ in cut]
-            sends.extend(Send(d.rank, parts[i:i + 4]) for i in range(0, len(parts), 4))
+            for i in range(0, len(cut), 4):
+                span = whole[cut[i][0]:cut[min(i + 4, len(cut)) - 1][1]]
+                sends.append(Send(d.rank, [whole[a:b] for a, b, _ in cut[i:i + 4]],
+                                  ready=functools.partial(hostmem.populate, span)))
         if d.rank == group.rank:
             mine = (targets or {}).get(s, {})
             got = [(a, b, mine[(a, b)] if is_direct else torch.empty(b - a, dtype=torch.uint8))
                    for a, b, is_direct in cut]
-            into[s] = (src, dst, d, got)
-            bufs = [x[2] for x in got]
-            recvs.extend(Recv(sender, _fixed_many(bufs[i:i + 4])) for i in range(0, len(bufs), 4))
+            check = ChunkCheck(rec.chunks, sorted(d.ids), step=step, rank=s, where=f"copy from node {src!r}")
+            into[s] = (src, dst, d, got, check)
+            for i in range(0, len(got), 4):  # each message checked as it lands
+                recvs.append(Recv(sender, _fixed_many([x[2] for x in got[i:i + 4]]),
+                                  done=functools.partial(check.feed, got[i:i + 4])))
     for s, src, dst, (ids, spans) in ranged:
         sender, receiver = worker(src, s), worker(dst, s)
         rec = manifest.shard(s)
@@ -245,11 +251,10 @@ def _run_transfers(
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(slot.path)
         results.append((s, src, dst, err, nbytes, secs, ids is not None))
-    for s, (src, dst, d, got) in sorted(into.items()):
-        rec = manifest.shard(s)
+    for s, (src, dst, d, got, check) in sorted(into.items()):
         err = None
         try:
-            check_received(got, rec.chunks, sorted(d.ids), step=step, rank=s, where=f"copy from node {src!r}")
+            check.finish()
             if received is not None:
                 received[s] = Received({(a, b) for a, b, _ in got if (a, b) in set(d.ranges)},
                                        [(a, b, buf) for a, b, buf in got if (a, b) not in set(d.ranges)])
