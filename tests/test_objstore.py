@@ -9,6 +9,7 @@ import pytest
 
 from aegis.errors import AegisError, ConfigError
 from aegis.snapshot.objstore import ObjectNotFound, ObjectStore, PreconditionFailed, open_store
+from aegis.snapshot.s3 import S3Store
 
 pytestmark = pytest.mark.quick  # unit / single-process: make test-quick
 
@@ -137,3 +138,21 @@ def test_bad_urls() -> None:
     for url in ("ftp://x/y", "s3:///nobucket", "file://host/path"):
         with pytest.raises(ConfigError):
             open_store(url)
+
+
+def test_a_checksum_given_with_the_data_is_the_objects_checksum(store: ObjectStore) -> None:
+    """``put_unsynced(crc32c=)``: S3 receives the caller's CRC32C (the uploader's, computed over
+    the node store's bytes) as the object's checksum, which S3 checks against the bytes it
+    received (moto stores it without that check: its source says so). A file store ignores it
+    (its bytes are checked on every read)."""
+    import base64
+
+    import crc32c as crc
+
+    data = os.urandom(3000)
+    store.put_unsynced("j/ok", data, crc32c=crc.crc32c(data))
+    store.sync()
+    assert store.get("j/ok") == data
+    if isinstance(store, S3Store):
+        head = store.client.head_object(Bucket=store.bucket, Key=store._key("j/ok"), ChecksumMode="ENABLED")
+        assert head["ChecksumCRC32C"] == base64.b64encode(crc.crc32c(data).to_bytes(4, "big")).decode()

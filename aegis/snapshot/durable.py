@@ -26,7 +26,6 @@ from __future__ import annotations
 import bisect
 import contextlib
 import dataclasses
-import mmap
 import os
 import queue
 import re
@@ -521,26 +520,28 @@ class Uploader:
     def _upload_shard(self, step: int, rank: int, chunks: tuple[ChunkRecord, ...],
                       result: UploadResult) -> list[ChunkRecord]:
         path = self.node_store.shard_path(step, rank)
-        with open(path, "rb") as f:
-            m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        fd = os.open(path, os.O_RDONLY)
         try:
             def one(i: int) -> ChunkRecord:
                 c = chunks[i]
                 t = time.perf_counter()
-                raw = m[c.offset:c.offset + c.length]
-                if crc32c(raw) != c.crc32c:  # the node store copy changed under us: never upload it
+                # pread: the kernel's copy out of tmpfs; a mapping's slice faulted in every page
+                raw = os.pread(fd, c.length, c.offset)
+                # the node store copy changed under us: never upload it
+                if len(raw) != c.length or crc32c(raw) != c.crc32c:
                     raise CorruptShardError(f"step {step}, rank {rank}, chunk {i}: crc32c mismatch in "
                                             "the node store before upload", step=step, rank=rank, chunk=i)
                 blob, desc = self.codec.encode(raw, c.dtype)
                 enc = time.perf_counter() - t
-                self.store.put_unsynced(chunk_key(self.job, step, rank, i), blob)
+                stored_crc = c.crc32c if desc == "raw" else crc32c(blob)  # raw: checked above
+                # the store checks the bytes it received against it (S3's CRC32C checksum)
+                self.store.put_unsynced(chunk_key(self.job, step, rank, i), blob, crc32c=stored_crc)
                 with self._lock:
                     result.encode_s += enc
                     result.raw_bytes += c.length
                     result.stored_bytes += len(blob)
                     result.chunks += 1
-                return dataclasses.replace(c, codec=desc, stored_length=len(blob),  # raw: checked above
-                                           stored_crc32c=c.crc32c if desc == "raw" else crc32c(blob))
+                return dataclasses.replace(c, codec=desc, stored_length=len(blob), stored_crc32c=stored_crc)
 
             # bounded memory: at most max_inflight chunks encoded and in flight at once
             with ThreadPoolExecutor(max_workers=self.max_inflight) as pool:
@@ -549,7 +550,7 @@ class Uploader:
             self.store.sync()
             return done
         finally:
-            m.close()
+            os.close(fd)
 
     def _commit(self, manifest: Manifest) -> None:
         key = manifest_key(self.job, manifest.step)

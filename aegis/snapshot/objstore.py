@@ -160,10 +160,12 @@ class ObjectStore(abc.ABC):
     def delete(self, keys: Iterable[str]) -> None:
         """Delete ``keys`` (missing keys are ignored)."""
 
-    def put_unsynced(self, key: str, data: bytes | memoryview) -> None:
+    def put_unsynced(self, key: str, data: bytes | memoryview, *, crc32c: int | None = None) -> None:
         """:meth:`put`, atomic for readers, but durable only after the next :meth:`sync` (on
         stores where every put is durable when it returns, S3's, the same as :meth:`put`). The
-        uploader writes a shard's chunks this way and syncs before the step's manifest."""
+        uploader writes a shard's chunks this way and syncs before the step's manifest.
+        ``crc32c``: the data's crc32c when the caller has it already; a store that checks
+        integrity on receipt (S3) sends it instead of computing it again."""
         self.put(key, data)
 
     def sync(self) -> None:  # noqa: B027 - optional
@@ -226,7 +228,7 @@ class FileStore(ObjectStore):
     def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> None:
         self._put(key, data, if_absent=if_absent, synced=True)
 
-    def put_unsynced(self, key: str, data: bytes | memoryview) -> None:
+    def put_unsynced(self, key: str, data: bytes | memoryview, *, crc32c: int | None = None) -> None:
         self._put(key, data, if_absent=False, synced=False)
 
     def sync(self) -> None:

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import base64
 import builtins
 import contextlib
 import hashlib
@@ -253,18 +254,25 @@ class S3Store(ObjectStore):
         except _CONN_ERRORS as e:
             raise ConfigError(f"durable store {self.url}: endpoint unreachable: {e}") from e
 
-    def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> None:
+    def put_unsynced(self, key: str, data: bytes | memoryview, *, crc32c: int | None = None) -> None:
+        self.put(key, data, crc32c=crc32c)
+
+    def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False,
+            crc32c: int | None = None) -> None:
+        """``crc32c`` (the data's, known to the caller): sent as the object's CRC32C checksum,
+        which S3 checks against the bytes it received, instead of botocore computing it again
+        over the body (a pass over every byte uploaded); without it botocore computes it."""
         full = self._key(key)
         n = len(data)
         if n <= self.multipart_threshold or if_absent:
-            if not self._put_object(full, bytes(data), if_absent=if_absent) and if_absent:
+            if not self._put_object(full, bytes(data), if_absent=if_absent, crc32c=crc32c) and if_absent:
                 self._put_checked(full, bytes(data))  # no conditional put at this endpoint
         else:
             self._multipart(full, memoryview(data))
         with self._lock:
             self.stats.bytes_up += n
 
-    def _put_object(self, full: str, body: bytes, *, if_absent: bool) -> bool:
+    def _put_object(self, full: str, body: bytes, *, if_absent: bool, crc32c: int | None = None) -> bool:
         """One PutObject with the optional parts the endpoint takes; returns whether the
         If-None-Match condition was part of it (False: nothing was put, the caller commits by
         its fallback). A 501 drops the least proven option."""
@@ -278,6 +286,8 @@ class S3Store(ObjectStore):
             extra: dict[str, Any] = {}
             if use_crc:
                 extra["ChecksumAlgorithm"] = "CRC32C"
+                if crc32c is not None:  # botocore sends it as given, computes nothing
+                    extra["ChecksumCRC32C"] = base64.b64encode(crc32c.to_bytes(4, "big")).decode()
             if use_cond:
                 extra["IfNoneMatch"] = "*"
             try:
