@@ -674,7 +674,7 @@ def main(argv: list[str] | None = None) -> int:
     print(report(doc))
     write_doc(doc, args.out)
     if any("phases" in r for r in doc["arms"].values()):
-        plot(doc, args.out.with_name(f"{NAME}_timeline.png"))
+        plot(doc, args.out.with_name(f"{args.out.stem}_timeline.png"))  # recovery.json: recovery_timeline.png
     if not args.workdir and not doc["errors"]:
         shutil.rmtree(work, ignore_errors=True)
     return 1 if doc["errors"] else 0

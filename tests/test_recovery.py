@@ -161,15 +161,11 @@ def test_no_intact_source_left_names_step_rank_and_what_was_tried(store_dir: Pat
     lose(store_dir, "a")
     flip_byte(store_dir / "b", 3, 0)  # the only other copy of rank 0's shard
     out = run_ranks(3, _restore, str(store_dir), ["d", "b", "c"], 1)
-    for rank, e in enumerate(out):
+    for e in out:
         assert isinstance(e, str) and e.startswith("CorruptShardError"), e
         assert "step 3: no intact copy of the shard of rank 0" in e
         assert "'b'" in e or "b (local copy)" in e or "b:" in e
-        # b and c streamed their own intact shards while d fetched: each rank says what it did
-        if rank == 0:
-            assert "Nothing was loaded" in e, e
-        else:
-            assert "partly overwritten by this node's own copies of step 3" in e, e
+        assert "Nothing was loaded" in e
 
 
 def test_a_reshard_fetches_only_the_bytes_it_reads(store_dir: Path) -> None:

@@ -402,8 +402,7 @@ class ShardReader(StorageReader):
     def __init__(self, manifest: Manifest, paths: Mapping[int, str | os.PathLike[str]],
                  *, sparse: Collection[int] = (), maps: dict[str, mmap.mmap] | None = None,
                  verify: Mapping[int, Collection[int]] | None = None,
-                 received: Mapping[int, Received] | None = None,
-                 ahead: ShardReader | None = None) -> None:
+                 received: Mapping[int, Received] | None = None) -> None:
         super().__init__()
         self.manifest = manifest
         self.paths = {r: Path(p) for r, p in paths.items()}
@@ -411,8 +410,6 @@ class ShardReader(StorageReader):
         self.verify = dict(verify or {})
         self.received = dict(received or {})
         self._streamed: set[int] = set()
-        # rank -> the items :meth:`stream_ahead` left for the mapped path, or what it raised
-        self.ahead: dict[int, list[tuple[ReadItem, ItemRecord]] | BaseException] = {}
         self._given = maps if maps is not None else {}  # path -> a mapping made by the verify
         self._items: dict[tuple[int, str, tuple[int, ...] | None], ItemRecord] = {
             (s.rank, i.fqn, i.offset): i for s in manifest.shards for i in s.items
@@ -423,14 +420,6 @@ class ShardReader(StorageReader):
         self.bytes_read = 0
         self.bytes_by_rank: dict[int, int] = {}
         self.seconds_by_rank: dict[int, float] = {}
-        if ahead is not None:  # what another reader streamed already (stream_ahead)
-            self.ahead = dict(ahead.ahead)
-            self._streamed |= set(ahead.ahead)
-            for r in ahead.ahead:
-                self.verify.pop(r, None)
-            self.bytes_read += ahead.bytes_read
-            self.bytes_by_rank.update(ahead.bytes_by_rank)
-            self.seconds_by_rank.update(ahead.seconds_by_rank)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         pass
@@ -470,7 +459,7 @@ class ShardReader(StorageReader):
                 self._pinned[rank] = kept.view
         return m
 
-    def _per_rank(self, plan: LoadPlan) -> dict[int, list[tuple[ReadItem, ItemRecord]]]:
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         per_rank: dict[int, list[tuple[ReadItem, ItemRecord]]] = {}
         for req in plan.items:
             loc = self.storage_data[req.storage_index]
@@ -478,36 +467,10 @@ class ShardReader(StorageReader):
             rec = self._items[(loc.rank, req.storage_index.fqn,
                                tuple(offset) if offset is not None else None)]
             per_rank.setdefault(loc.rank, []).append((req, rec))
-        return per_rank
-
-    def stream_ahead(self, metadata: Metadata, plan: LoadPlan, planner: LoadPlanner) -> None:
-        """Stream the shards in ``verify`` now, each into its destinations with its chunks
-        checked (:meth:`_stream`), e.g. on a thread while the restore fetches other shards from
-        peers; a reader made later with ``ahead=`` this one loads only what is left. An error
-        is kept, and raised by that reader's :meth:`read_data`, as if it had streamed them."""
-        self.set_up_storage_reader(metadata, False)
-        for rank, reqs in sorted(self._per_rank(plan).items()):
-            if rank not in self.verify:
-                continue
-            t0 = time.perf_counter()
-            try:
-                self.ahead[rank] = self._stream(rank, reqs, planner)
-            except BaseException as e:  # noqa: BLE001 - raised by the loading reader
-                self.ahead[rank] = e
-                return
-            self.seconds_by_rank[rank] = time.perf_counter() - t0
-
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        per_rank = self._per_rank(plan)
         try:
             for rank, reqs in sorted(per_rank.items()):
                 t0 = time.perf_counter()
-                done = self.ahead.get(rank)
-                if isinstance(done, BaseException):
-                    raise done
-                if done is not None:
-                    reqs = done  # streamed ahead: only what it left
-                elif rank in self.received:
+                if rank in self.received:
                     for req, rec in reqs:
                         self._from_received(self.received[rank], rank, req, rec, planner)
                     reqs = []
@@ -517,7 +480,7 @@ class ShardReader(StorageReader):
                     m = self._map(rank)
                     for req, rec in reqs:
                         self._read_item(m, rank, req, rec, planner)
-                self.seconds_by_rank[rank] = self.seconds_by_rank.get(rank, 0.0) + time.perf_counter() - t0
+                self.seconds_by_rank[rank] = time.perf_counter() - t0
             if self._device_copies:  # the mappings must outlive the copies that read them
                 torch.cuda.synchronize()
         finally:

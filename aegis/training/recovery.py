@@ -26,7 +26,6 @@ import contextlib
 import functools
 import gc
 import mmap
-import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -195,7 +194,6 @@ def restore_newest(
 
     bad: set[int] = set()
     distrust: dict[int, dict[tuple[str, int], str]] = {}  # step -> local copies a load found damaged
-    overwritten: list[int] = []  # steps whose own copies were streamed into the state
     ranks_of = {n: [r for r, x in enumerate(nodes) if x == n] for n in dict.fromkeys(nodes)}
     want = step
     split_parts: tuple[Layout, StepManifest] | None = None
@@ -206,14 +204,9 @@ def restore_newest(
         if step is None:
             # A streamed load writes a chunk's bytes before its crc32c is known (stream_read):
             # after a damaged copy was streamed, the state is no longer the one before restore().
-            # Own copies are streamed while the rest is fetched: a step that then proved
-            # incomplete has left verified bytes of its own in part of the state.
-            loaded = ("The state was partly overwritten by a damaged copy's bytes (each chunk is "
-                      "checked as it lands): do not train from it" if distrust else
-                      f"The state was partly overwritten by this node's own copies of step "
-                      f"{max(overwritten)} (loaded while the other shards were fetched, before the "
-                      "step proved incomplete): do not train from it" if overwritten else
-                      "Nothing was loaded")
+            loaded = ("Nothing was loaded" if not distrust else
+                      "The state was partly overwritten by a damaged copy's bytes (each chunk is "
+                      "checked as it lands): do not train from it")
             if want is not None:
                 raise errors.NoSnapshotError(
                     f"restore(step={want}): that step cannot be restored; "
@@ -320,31 +313,10 @@ def restore_newest(
         t = lap("plan_s", t)
         maps: dict[str, mmap.mmap] = {}  # shards received whole, mapped, for the load
         received: dict[int, Received] = {}  # shards received into the state (restore_direct)
-        # This node's own copies that passed their check are streamed into the state on a
-        # thread while the other shards are fetched (joined before anything else loads).
-        ahead: list[tuple[ShardReader, threading.Thread]] = []
-
-        def stream_ahead(good: set[int], m: Manifest = manifest, local: _LocalLoad = box["load"],
-                         needs: dict[int, Any] = box["needs"], step: int = step,
-                         out: list[tuple[ShardReader, threading.Thread]] = ahead) -> None:
-            mine = {s: ids for s, (ids, _, _) in needs.items() if s in good}
-            if mine:
-                overwritten.append(step)
-                r = ShardReader(m, {s: store.shard_path(step, s) for s in mine}, verify=mine)
-                th = threading.Thread(target=r.stream_ahead, args=(local.metadata, local.plan, local.planner),
-                                      name="aegis-restore-ahead", daemon=True)
-                th.start()
-                out.append((r, th))
-
-        try:
-            outcome = _gather_shards(store, group, transport, manifest, node, invs, need_by_node, ranks_of,
-                                     durable if durable_manifest is not None else None,
-                                     spans_by_node=spans_by_node, maps=maps, distrust=distrust.get(step),
-                                     direct_by=direct_by, targets=box["load"].targets, received=received,
-                                     ahead=stream_ahead)
-        finally:
-            for _, th in ahead:  # never two writers of the state: joined on every path out
-                th.join()
+        outcome = _gather_shards(store, group, transport, manifest, node, invs, need_by_node, ranks_of,
+                                 durable if durable_manifest is not None else None,
+                                 spans_by_node=spans_by_node, maps=maps, distrust=distrust.get(step),
+                                 direct_by=direct_by, targets=box["load"].targets, received=received)
         t = lap("fetch_verify_s", t)
         skipped.extend(outcome.rejected)
         if outcome.failures:
@@ -364,7 +336,7 @@ def restore_newest(
                   if 2 * sum(b - a for a, b in spans) < manifest.shard(s).size}
         unchecked = {s: ids for s, (ids, _, _) in box["needs"].items() if s not in outcome.origin}
         reader = ShardReader(manifest, paths, sparse=sparse, maps=maps, verify=unchecked,
-                             received=received, ahead=ahead[0][0] if ahead else None)
+                             received=received)
 
         def load(local: _LocalLoad = box["load"], reader: ShardReader = reader, step: int = step
                  ) -> tuple[str, int, str] | None:
@@ -577,7 +549,6 @@ def _gather_shards(
     direct_by: Mapping[tuple[str, int], tuple[int, list[tuple[int, int]]]] | None = None,
     targets: Mapping[int, Mapping[tuple[int, int], torch.Tensor]] | None = None,
     received: dict[int, Received] | None = None,
-    ahead: Callable[[set[int]], None] | None = None,
 ) -> _Outcome:
     """Make every node hold copies of the shards it needs (collective): local copies checked
     for size and index (their chunks' crc32c is checked as the load streams them), copies from
@@ -585,9 +556,7 @@ def _gather_shards(
     whole (path -> mapping), which the load then reads instead of mapping them again.
     ``distrust``: (node, shard) -> why: local copies a load found damaged, fetched again.
     ``direct_by``: (node, shard) -> (rank, item ranges): a peer's copy goes straight into that
-    rank's ``targets`` (restore_direct); what it received lands in ``received``.
-    ``ahead(shards)``: called on every rank once the node's own copies are checked, with the
-    shards whose copy on this node passed (never fetched again in this pass)."""
+    rank's ``targets`` (restore_direct); what it received lands in ``received``."""
     distrust = distrust or {}
     step = manifest.step
     out = _Outcome()
@@ -630,8 +599,6 @@ def _gather_shards(
             tried.setdefault((n, s), []).append(f"{n} (local copy): {err}")
             used.setdefault((n, s), set()).add(n)
             out.rejected.append(f"{n} (local copy): {err}")
-    if ahead is not None:
-        ahead({s for s, ns in good_copy.items() if node in ns})
 
     while pending:
         transfers: list[tuple[int, str, str, Any]] = []  # (shard, from node, to node, what)
