@@ -99,7 +99,7 @@ def codec_table(kinds: dict[str, tuple[list[Any], str]], chunk_bytes: int, level
         chunks = _chunks(tensors, chunk_bytes)
         raw_total = sum(len(c) for c in chunks)
         for mode in MODES:
-            codec = Codec(mode, level)
+            codec = Codec(mode, level, min_gain=0)  # the transform itself, whatever it saves
             stored = 0
             enc_s = dec_s = 0.0
             descs = set()
