@@ -194,6 +194,7 @@ def restore_newest(
 
     bad: set[int] = set()
     distrust: dict[int, dict[tuple[str, int], str]] = {}  # step -> local copies a load found damaged
+    overwritten: list[int] = []  # steps whose shards were received into the state, in place
     ranks_of = {n: [r for r, x in enumerate(nodes) if x == n] for n in dict.fromkeys(nodes)}
     want = step
     split_parts: tuple[Layout, StepManifest] | None = None
@@ -204,9 +205,11 @@ def restore_newest(
         if step is None:
             # A streamed load writes a chunk's bytes before its crc32c is known (stream_read):
             # after a damaged copy was streamed, the state is no longer the one before restore().
-            loaded = ("Nothing was loaded" if not distrust else
-                      "The state was partly overwritten by a damaged copy's bytes (each chunk is "
-                      "checked as it lands): do not train from it")
+            loaded = ("The state was partly overwritten by a damaged copy's bytes (each chunk is "
+                      "checked as it lands): do not train from it" if distrust else
+                      f"The state was partly overwritten by shards of step {max(overwritten)} "
+                      "received into it before that step proved incomplete: do not train from it"
+                      if overwritten else "Nothing was loaded")
             if want is not None:
                 raise errors.NoSnapshotError(
                     f"restore(step={want}): that step cannot be restored; "
@@ -318,6 +321,8 @@ def restore_newest(
                                  spans_by_node=spans_by_node, maps=maps, distrust=distrust.get(step),
                                  direct_by=direct_by, targets=box["load"].targets, received=received)
         t = lap("fetch_verify_s", t)
+        if outcome.into_state:
+            overwritten.append(step)
         skipped.extend(outcome.rejected)
         if outcome.failures:
             _close_maps(maps)
@@ -512,6 +517,7 @@ class _Outcome:
     stale: set[tuple[str, int]] = field(default_factory=set)
     origin: dict[int, tuple[str, int, float]] = field(default_factory=dict)  # shard -> (node, bytes, s)
     fetched_bytes: int = 0
+    into_state: bool = False  # this rank's state received shard bytes in place (restore_direct)
 
 
 def _worker(ranks_of: dict[str, list[int]], n: str, s: int) -> int:
@@ -637,6 +643,10 @@ def _gather_shards(
             return out
         if transport is None and any(t[1] != DURABLE for t in transfers):
             raise AegisError("shards must be fetched from peers but no transport is configured")
+        # a copy received into this rank's state writes it before (peer) or as (durable) it is
+        # checked: should the step prove incomplete, the restore's error says so
+        if any(isinstance(t[3], Direct) and t[3].rank == group.rank for t in transfers):
+            out.into_state = True
         peer = [t for t in transfers if t[1] not in (DURABLE, REBUILD)]
         rebuilds = [t for t in transfers if t[1] == REBUILD]
         results = []
