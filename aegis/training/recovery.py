@@ -643,8 +643,8 @@ def _gather_shards(
             return out
         if transport is None and any(t[1] != DURABLE for t in transfers):
             raise AegisError("shards must be fetched from peers but no transport is configured")
-        # a copy received into this rank's state writes it before (peer) or as (durable) it is
-        # checked: should the step prove incomplete, the restore's error says so
+        # a copy received into this rank's state writes it, before (peer) or after (durable)
+        # its check: should the step prove incomplete, the restore's error says so
         if any(isinstance(t[3], Direct) and t[3].rank == group.rank for t in transfers):
             out.into_state = True
         peer = [t for t in transfers if t[1] not in (DURABLE, REBUILD)]

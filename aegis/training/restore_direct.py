@@ -27,7 +27,7 @@ from aegis.snapshot.manifest import ChunkRecord
 from aegis.snapshot.shard import crc32c
 from aegis.snapshot.stream_read import Received
 
-__all__ = ["DIRECT_MIN", "ChunkCheck", "Direct", "Received", "pieces", "check_received"]
+__all__ = ["DIRECT_MIN", "ChunkCheck", "Direct", "Received", "pieces"]
 
 # Items at least this large are received in place; smaller ones (step counters, scalars) ride in
 # the scratch pieces between them and are copied after the check (a message each would cost more
@@ -122,12 +122,3 @@ class ChunkCheck:
             self._fail(self.ids[self.k], self.pos)
         if self.error is not None:
             raise self.error
-
-
-def check_received(parts: Sequence[tuple[int, int, torch.Tensor]], chunks: Sequence[ChunkRecord],
-                   ids: Sequence[int], *, step: int, rank: int, where: str) -> None:
-    """crc32c of every chunk ``ids`` over the received ``parts`` ((start, end, uint8 tensor),
-    in order, covering those chunks); raise CorruptShardError at the first mismatch."""
-    check = ChunkCheck(chunks, ids, step=step, rank=rank, where=where)
-    check.feed(parts)
-    check.finish()
