@@ -147,8 +147,13 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, shape: dict[str,
             mgr.wait_durable()
             first = "first_" if i == 0 else ""
             rec |= {f"{first}commit_s": t1 - t0, f"{first}durable_s": time.perf_counter() - t0}
-        out["save"][f"aegis {job}"] = rec
         mgr.close()
+        # the uploads' own account (encode seconds over the threads, requests, retries), to tell
+        # the upload from what runs beside it (the peer replica: replicas=1 here)
+        rec["uploads"] = [{k: e.get(k) for k in ("step", "seconds", "encode_s", "requests", "retries",
+                                                 "raw_bytes", "stored_bytes", "chunks")}
+                          for e in _events(events) if e.get("event") == "upload" and e.get("job") == job]
+        out["save"][f"aegis {job}"] = rec
     dcp_targets: dict[str, Any] = {"dcp dir": None}
     if s3kw is not None:
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
@@ -226,6 +231,14 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, shape: dict[str,
             dist.barrier()
             out["restore"].setdefault(source, []).append(restore(source))
     return out
+
+
+def _events(events_dir: str) -> list[dict[str, Any]]:
+    """Every event this rank logged under ``events_dir``."""
+    import json
+
+    return [json.loads(line) for path in sorted(Path(events_dir).rglob("*.jsonl"))
+            for line in path.read_text().splitlines() if line.strip()]
 
 
 def _floors(rank: int, world: int, store: Path, step: int, paths: dict[str, str]) -> dict[str, float]:

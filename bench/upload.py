@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """The durable upload alone against the S3 server's own floor, same bytes, same server.
 
-``--world`` ranks (gloo, one simulated node each, no replica) each hold ``--mb-per-rank`` of
+``--world`` ranks (gloo, one simulated node each; ``--replicas`` copies of each shard on other
+nodes, none by default: with 1, the save's replication runs beside its upload) each hold ``--mb-per-rank`` of
 fp32 tensors (noise of a trained model's magnitude: stored raw by the default
 ``durable_min_gain``) and save them ``--saves`` times with a ``Manager`` uploading every save to
 moto's S3 server on loopback. Timed per save: the blocking save + memory commit (``save`` to
@@ -61,7 +62,7 @@ def _rank(rank: int, world: int, args: argparse.Namespace, bucket: str, work: st
         def load_state_dict(self, sd: dict[str, Any]) -> None:
             pass
 
-    mgr = Manager("upload", {"s": Holder()}, every=1, keep=1, replicas=0,
+    mgr = Manager("upload", {"s": Holder()}, every=1, keep=1, replicas=args.replicas,
                   store_dir=f"{work}/store-{rank}", events_dir=f"{work}/events-{rank}",
                   durable=f"s3://{bucket}/aegis", durable_every=1, verbose=False)
     saves = []
@@ -103,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--mb-per-rank", type=float, default=1024.0)
     p.add_argument("--saves", type=int, default=2)
+    p.add_argument("--replicas", type=int, default=0,
+                   help="peer copies of each shard, made while the upload runs (default 0)")
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--out", type=Path, default=RESULTS / f"{NAME}.json")
     args = p.parse_args(argv)

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from aegis import AegisError, ConfigError, Manager, ModelOptimizerState
 from aegis.snapshot.manifest import body_checksum
@@ -500,3 +501,58 @@ def test_a_new_manager_reuses_the_plan_only_when_every_rank_has_it(store_dir: Pa
         assert r["again"][0] is True, "the second Manager planned again"
         assert r["bitwise"]
         assert r["changed"] == (False, True)
+
+
+class _TwoHeads(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = torch.nn.Linear(4, 4)
+        self.unused = torch.nn.Linear(4, 4)  # no gradient ever: Adam keeps no state for it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("steps", [0, 2], ids=["before-the-first-step", "after-two-steps"])
+def test_optimizer_state_the_snapshot_lacks_is_never_left_uninitialised(
+        store_dir: Path, monkeypatch: pytest.MonkeyPatch, steps: int) -> None:
+    """A restore makes Adam's state tensors empty (not zeroed) only where the snapshot holds
+    their values; uninitialised memory is simulated here with NaNs, so that any empty tensor the
+    load leaves unwritten shows. A parameter that never had a gradient has no saved state and
+    gets none (zeros for it made the state's keys differ from the snapshot's: no restore). The
+    restored state equals the saved one, entry by entry, and the next step is the uninterrupted
+    run's."""
+    def run(restore_first: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        torch.manual_seed(0)
+        model = _TwoHeads()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        # strict=False: DCP refuses a parameter without saved optimizer state otherwise
+        options = StateDictOptions(strict=False)
+        mgr = Manager("adam", {"m": ModelOptimizerState(model, opt, options=options)},
+                      store_dir=str(store_dir), verbose=False)
+        if restore_first:
+            assert mgr.restore() == 1
+        else:
+            assert mgr.restore() == 0
+            for _ in range(steps):
+                model(torch.ones(2, 4)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+            mgr.save(1)
+        state = _tensors({str(i): s for i, s in enumerate(opt.state.values())})
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        mgr.close()
+        return state, model.used.weight.detach().clone()
+
+    saved, want = run(restore_first=False)
+    real = torch.empty_like
+    monkeypatch.setattr(torch, "empty_like", lambda t, **kw: real(t, **kw).fill_(float("nan")))
+    got, after = run(restore_first=True)
+    bad = [k for k, v in got.items() if v.is_floating_point() and v.isnan().any()]
+    assert not bad, f"optimizer state left unwritten by the restore: {bad}"
+    zeros_or_saved = {k: v for k, v in got.items() if k not in saved and bool(v.count_nonzero())}
+    assert not zeros_or_saved, f"state the snapshot lacks is not zeros: {sorted(zeros_or_saved)}"
+    assert all(torch.equal(got[k], saved[k]) for k in saved if k in got)
+    assert torch.equal(after, want), "the step after the restore differs from the uninterrupted one"

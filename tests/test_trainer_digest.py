@@ -57,3 +57,30 @@ def test_the_digest_is_the_full_states_in_every_layout(mesh: str, world: int) ->
     (got, changed), *_ = run_ranks(world, _digests, mesh, timeout=180)
     assert got == ref, f"{mesh} x {world}: the digest of the same state differs from 1-D FSDP's"
     assert changed != got, f"{mesh} x {world}: a changed shard element left the digest unchanged"
+
+
+def _init_is_the_whole_models(rank: int, world: int, mesh: str) -> list[str]:
+    t = _trainer()
+    args = t.parse_args(["--mesh", mesh, "--inner", "2"])
+    dp_mesh, tp_mesh, _, _ = t.build_meshes(args, world)
+    torch.manual_seed(123)
+    model = t.build_model("tiny", seed=3, mesh=dp_mesh, tp_mesh=tp_mesh, init=False)
+    assert torch.initial_seed() == 123, "build_model changed the global RNG"
+    t.init_weights(model, 3)  # what the trainer calls when the restore found nothing
+    torch.manual_seed(3)
+    whole = t.TinyGPT(t.CONFIGS["tiny"]).state_dict()
+    wrong = []
+    for name, v in model.state_dict().items():
+        full = v.full_tensor() if hasattr(v, "full_tensor") else v
+        if not torch.equal(full, whole[name]):
+            wrong.append(name)
+    return wrong
+
+
+@pytest.mark.parametrize("mesh,world", [("fsdp", 3), ("hsdp", 4), ("tp", 4)])
+def test_a_sharded_build_has_the_whole_models_values(mesh: str, world: int) -> None:
+    """The trainer builds sharded models on the meta device and copies each rank's shard out of
+    a whole reference model (``init_weights``): every tensor, gathered, is the whole model's, at
+    an uneven 1-D split and in both 2-D layouts."""
+    for rank, wrong in enumerate(run_ranks(world, _init_is_the_whole_models, mesh, timeout=180)):
+        assert not wrong, f"{mesh} x {world}, rank {rank}: values differ from the whole model: {wrong}"

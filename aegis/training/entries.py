@@ -11,6 +11,7 @@ snapshot; on restore into another world O(old world) templates per per-rank entr
 
 from __future__ import annotations
 
+import functools
 import pickle
 from collections.abc import Mapping
 from typing import Any
@@ -45,6 +46,11 @@ __all__ = ["StateEntries", "skips_restore", "check_built_in_round"]
 _APP = "app"
 _RNG = "rng"
 _PER_RANK = "per_rank"
+
+
+def _saved(manifest: Manifest, prefix: str, key: str) -> bool:
+    """Whether snapshot ``manifest`` holds ``prefix + key`` (a flattened state-dict key)."""
+    return prefix + key in manifest.entries
 
 
 def skips_restore(obj: Any) -> bool:
@@ -127,9 +133,9 @@ class StateEntries:
         (templates built from the manifest); see :func:`aegis.per_rank`.
         """
         if manifest is not None:
-            for obj in self.state.values():
+            for name, obj in self.state.items():
                 if isinstance(obj, ModelOptimizerState):
-                    obj.prepare_for_load()
+                    obj.prepare_for_load(functools.partial(_saved, manifest, f"{_APP}.{name}."))
         app: dict[str, Any] = {}
         mine: dict[str, Any] = {}
         for name, obj in self.state.items():
