@@ -504,9 +504,15 @@ def test_a_new_manager_reuses_the_plan_only_when_every_rank_has_it(store_dir: Pa
 
 
 class _TwoHeads(torch.nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, wrap: bool) -> None:
         super().__init__()
         self.used = torch.nn.Linear(4, 4)
+        if wrap:  # activation checkpointing: a prefix in the module's names, none in DCP's
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+                checkpoint_wrapper,
+            )
+
+            self.used = checkpoint_wrapper(self.used)
         self.unused = torch.nn.Linear(4, 4)  # no gradient ever: Adam keeps no state for it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -514,9 +520,10 @@ class _TwoHeads(torch.nn.Module):
 
 
 @pytest.mark.quick
+@pytest.mark.parametrize("wrap", [False, True], ids=["plain", "checkpoint-wrapped"])
 @pytest.mark.parametrize("steps", [0, 2], ids=["before-the-first-step", "after-two-steps"])
 def test_optimizer_state_the_snapshot_lacks_is_never_left_uninitialised(
-        store_dir: Path, monkeypatch: pytest.MonkeyPatch, steps: int) -> None:
+        store_dir: Path, monkeypatch: pytest.MonkeyPatch, steps: int, wrap: bool) -> None:
     """A restore makes Adam's state tensors empty (not zeroed) only where the snapshot holds
     their values; uninitialised memory is simulated here with NaNs, so that any empty tensor the
     load leaves unwritten shows. A parameter that never had a gradient has no saved state and
@@ -525,7 +532,7 @@ def test_optimizer_state_the_snapshot_lacks_is_never_left_uninitialised(
     run's."""
     def run(restore_first: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         torch.manual_seed(0)
-        model = _TwoHeads()
+        model = _TwoHeads(wrap)
         opt = torch.optim.AdamW(model.parameters(), lr=0.1)
         # strict=False: DCP refuses a parameter without saved optimizer state otherwise
         options = StateDictOptions(strict=False)
@@ -544,7 +551,7 @@ def test_optimizer_state_the_snapshot_lacks_is_never_left_uninitialised(
         model(torch.ones(2, 4)).sum().backward()
         opt.step()
         mgr.close()
-        return state, model.used.weight.detach().clone()
+        return state, next(model.parameters()).detach().clone()
 
     saved, want = run(restore_first=False)
     real = torch.empty_like

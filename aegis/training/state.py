@@ -54,6 +54,20 @@ __all__ = [
 Reshard = Callable[[Sequence[Mapping[str, Any]], int, int], Mapping[str, Any]]
 
 
+def _state_names(model: nn.Module) -> dict[torch.Tensor, str]:
+    """Each parameter's name in DCP's state dicts: as DCP names it (wrappers' prefixes such as
+    activation checkpointing's or ``torch.compile``'s left out), or left out where that is not
+    one name."""
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+
+    out: dict[torch.Tensor, str] = {}
+    for name, p in model.named_parameters():
+        fqns = _get_fqns(model, name)
+        if len(fqns) == 1:
+            out[p] = next(iter(fqns))
+    return out
+
+
 def _scalar_dtype() -> torch.dtype:
     from torch.optim.optimizer import _get_scalar_dtype
 
@@ -110,7 +124,7 @@ class ModelOptimizerState:
         taken) gets none, as in the run that saved it: giving it zeros made the state's keys
         differ from the snapshot's, and such a model could not be restored at all. Anything else
         is zeros, as Adam's first step would make it."""
-        names: dict[torch.Tensor, str] = {p: n for n, p in self.model.named_parameters()}
+        names = _state_names(self.model)
 
         def held(p: torch.Tensor, fields: tuple[str, ...]) -> bool | None:
             """True: the snapshot has all of p's state; False: none of it; None: unknown, part."""
