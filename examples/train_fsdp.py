@@ -9,7 +9,7 @@ Runs under ``torchrun`` (any world size) or as a plain single process (world 1):
 Same seed and world size -> bitwise identical loss sequence on CPU. With aegis enabled a run
 that is killed and resumed produces the same losses as an uninterrupted one.
 
-The reusable pieces (``CONFIGS``, ``GPTConfig``, ``TinyGPT``, ``build_model``,
+The reusable pieces (``CONFIGS``, ``GPTConfig``, ``TinyGPT``, ``build_model``, ``init_weights``,
 ``SyntheticTokens``, ``ResumableSampler``, ``build_optimizer_and_scheduler``) are importable by
 path, e.g. with ``importlib.util.spec_from_file_location``; importing has no side effects.
 """
