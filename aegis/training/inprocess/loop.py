@@ -114,19 +114,26 @@ def cuda_memory() -> dict[str, int]:
             "cuda_reserved": int(torch.cuda.memory_reserved())}
 
 
-def teardown(ab: _abandon.Abandon, members: list[str]) -> None:
+def teardown(ab: _abandon.Abandon, members: list[str]) -> dict[str, float]:
     """After a round ended: abort its Managers (no collectives), leave its groups so that no
     peer stays blocked on this process, destroy every group, release what the round held (its
-    DTensor caches, its CUDA blocks), and check that the CUDA context still works."""
+    DTensor caches, its CUDA blocks), and check that the CUDA context still works. Returns its
+    phases in seconds (the recovery event's ``timings``): ``teardown_s`` in all, of which
+    ``abort_s`` (the Managers), ``leave_s`` (the groups), ``release_s`` (the collection that
+    frees the round's state, and the CUDA check)."""
+    t0 = time.perf_counter()
     managers = take_managers()  # this round's only: never one of an earlier round again
     for m in managers:
         with contextlib.suppress(Exception):
             m.abort(begin=True)
+    t1 = time.perf_counter()
     ab.leave(members)
+    t2 = time.perf_counter()
     for m in managers:
         with contextlib.suppress(Exception):
             m.abort(begin=False)
     del managers
+    t3 = time.perf_counter()
     _clear_dtensor_caches()
     gc.collect()
     cuda_health()
@@ -134,6 +141,9 @@ def teardown(ab: _abandon.Abandon, members: list[str]) -> None:
         import torch
 
         torch.cuda.empty_cache()  # the round's blocks, so that memory stays flat over rounds
+    t4 = time.perf_counter()
+    return {"teardown_s": t4 - t0, "abort_s": (t1 - t0) + (t3 - t2), "leave_s": t2 - t1,
+            "release_s": t4 - t3}
 
 
 def check_nccl_env(backend: str, collective_timeout: timedelta, dead_after_s: float) -> list[str]:
@@ -574,9 +584,7 @@ def run_in_process(
                 failed_at, cause = time.time(), f"creating round {r}'s groups: {type(e).__name__}: {e}"[:500]
                 Round.creating = False
                 hb.round_ended()
-                td = time.perf_counter()
-                teardown(ab, members)
-                timings = {"teardown_s": time.perf_counter() - td}
+                timings = teardown(ab, members)
                 previous, restarts, r = members, restarts + 1, r + 1
                 empty += 1  # a round without a trained step
                 extra = _empty_rounds(empty, max_empty_rounds, backend, cause)
@@ -625,9 +633,7 @@ def run_in_process(
             # Out of the except block: the exception and its frames (holding the round's model,
             # mesh and groups) are released, so destroying the groups really closes them.
             del world
-            td = time.perf_counter()
-            teardown(ab, members)
-            timings = {"teardown_s": time.perf_counter() - td}
+            timings = teardown(ab, members)
             # a round that ended before train() saved anything: counted, logged with its cause
             # (the recovery event's empty_rounds), and bounded
             empty = empty + 1 if Round.saves == 0 else 0
