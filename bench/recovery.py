@@ -436,7 +436,10 @@ def run_arm(arm: str, args: argparse.Namespace, spec: str, work: Path, extra: li
         # built again (the Manager's start event)
         t_detect = max(e["failed_at"] for e in recoveries)
         t_grouped = max(e["time"] for e in recoveries)
-        inproc = {"teardown_s": max(e["timings"].get("teardown_s", 0.0) for e in recoveries),
+        slowest = max(recoveries, key=lambda e: e["timings"].get("teardown_s", 0.0))["timings"]
+        inproc = {"teardown_s": slowest.get("teardown_s", 0.0),
+                  "teardown_phases": {k: slowest[k] for k in ("abort_s", "leave_s", "release_s")
+                                      if k in slowest},
                   "agree_s": max(e["timings"].get("agree_s", 0.0) for e in recoveries),
                   "regroup_s": max(e["timings"].get("regroup_s", 0.0) for e in recoveries),
                   "rebuild_s": t_up - t_grouped, "restore_s": t_restored - t_up,
