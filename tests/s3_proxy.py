@@ -12,6 +12,8 @@ S3-compatible servers without them answer (every time, before any fault roll):
 * ``crc32c``: any request asking for a CRC32C checksum.
 
 ``deny_delete`` answers 403 AccessDenied to every delete (a bucket policy without delete).
+``cut_bodies = n``: the next ``n`` responses with a body of more than 1 KiB announce their full
+length, send half of it and reset the connection (a transfer cut mid-stream).
 """
 
 from __future__ import annotations
@@ -74,7 +76,8 @@ class FaultProxy:
         self.rng = random.Random(seed)
         self.lock = threading.Lock()
         self.counts = {"forwarded": 0, "slowdown": 0, "internal": 0, "reset": 0, "latency": 0,
-                       "not_implemented": 0, "denied": 0}
+                       "not_implemented": 0, "denied": 0, "cut": 0}
+        self.cut_bodies = 0
         self.refused: dict[str, int] = {}  # operation -> 501s answered
         proxy = self
 
@@ -138,7 +141,18 @@ class FaultProxy:
                         self.send_header(k, v)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
-                if self.command != "HEAD":
+                with proxy.lock:
+                    cut = self.command != "HEAD" and len(data) > 1024 and proxy.cut_bodies > 0
+                    if cut:
+                        proxy.cut_bodies -= 1
+                        proxy.counts["cut"] += 1
+                if cut:
+                    self.wfile.write(data[:len(data) // 2])
+                    self.wfile.flush()
+                    self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    self.connection.close()
+                    self.close_connection = True
+                elif self.command != "HEAD":
                     self.wfile.write(data)
                 conn.close()
 

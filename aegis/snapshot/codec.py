@@ -201,7 +201,8 @@ def decode(blob: bytes, descriptor: str, length: int, *, where: str = "chunk") -
     return bytes(out)
 
 
-def decode_into(blob: bytes, descriptor: str, out: memoryview, *, where: str = "chunk") -> None:
+def decode_into(blob: bytes | memoryview, descriptor: str, out: memoryview, *,
+                where: str = "chunk") -> None:
     """Decode a chunk straight into ``out`` (writable, exactly the chunk's length: e.g. its
     place in a shard file being rebuilt), with no intermediate copy of the whole chunk;
     CorruptShardError on damaged input (``out`` then holds garbage)."""

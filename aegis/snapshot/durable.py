@@ -594,39 +594,52 @@ def fetch_chunk_into(store: ObjectStore, job: str, manifest: Manifest, shard: in
 
 
 def _verified_chunk(store: ObjectStore, job: str, manifest: Manifest, shard: int, i: int,
-                    scratch: memoryview) -> tuple[memoryview, int]:
-    """Chunk ``i`` of ``shard`` downloaded and verified: (its raw bytes, the stored bytes
-    downloaded). A raw chunk is the downloaded object itself, checked once (its stored crc32c is
-    its raw crc32c); another is decoded into ``scratch`` (the chunk's length) and its raw crc32c
-    checked there."""
+                    scratch: memoryview, blob: bytearray | None = None) -> tuple[memoryview, int]:
+    """Chunk ``i`` of ``shard`` downloaded and verified into ``scratch`` (the chunk's length):
+    (its raw bytes, the stored bytes downloaded). A raw chunk is read straight into ``scratch``
+    and checked once there (its stored crc32c is its raw crc32c); another is read into ``blob``
+    (grown to its stored size when smaller; a new buffer when None), checked, decoded into
+    ``scratch`` and its raw crc32c checked there. The object is read into memory this function
+    owns (``store.get_into``): no object-sized ``bytes`` is built and copied again."""
     c = manifest.shard(shard).chunks[i]
     step = manifest.step
     key = chunk_key(job, step, shard, i)
     where = f"{store.url}/{key}"
+    if c.stored_length is None or c.stored_crc32c is None:
+        raise CorruptShardError(f"{where}: the manifest records no stored size or crc32c for it "
+                                "(not a durable-tier manifest)", step=step, rank=shard, chunk=i,
+                                where=where)
+    raw = c.codec == "raw" and c.stored_length == c.length and c.stored_crc32c == c.crc32c
+    if raw:
+        into = scratch
+    else:
+        if blob is None or len(blob) < c.stored_length:
+            blob = bytearray(c.stored_length) if blob is None else blob
+            if len(blob) < c.stored_length:
+                blob.extend(bytes(c.stored_length - len(blob)))
+        into = memoryview(blob)[:c.stored_length]
     try:
-        blob = store.get(key)
+        size = store.get_into(key, into)
     except ObjectNotFound as e:
         raise CorruptShardError(f"{where} is missing", step=step, rank=shard, chunk=i, where=where) from e
-    if len(blob) != c.stored_length or crc32c(blob) != c.stored_crc32c:
+    if size != c.stored_length or crc32c(into) != c.stored_crc32c:
         raise CorruptShardError(
             f"crc32c mismatch in step {step}, rank {shard}, chunk {i}: object {where} is "
-            f"truncated or corrupt ({len(blob)} bytes, manifest says {c.stored_length})",
+            f"truncated or corrupt ({size} bytes, manifest says {c.stored_length})",
             step=step, rank=shard, chunk=i, where=where)
-    stored = len(blob)
-    if c.codec == "raw" and c.stored_length == c.length and c.stored_crc32c == c.crc32c:
-        return memoryview(blob), stored  # the bytes just checked are the chunk's raw bytes
+    if raw:
+        return scratch, size  # the bytes just checked are the chunk's raw bytes
     try:
-        decode_into(blob, c.codec, scratch, where=where)
+        decode_into(into, c.codec, scratch, where=where)
     except MemoryError as e:  # a zstd frame header may declare any size; decoding allocates it
         raise CorruptShardError(
             f"{where}: cannot decode (a compressed frame declares more bytes than the chunk's "
             f"{c.length}); the object is damaged or forged", step=step, rank=shard, chunk=i,
             where=where) from e
-    del blob
     if crc32c(scratch) != c.crc32c:
         raise CorruptShardError(f"crc32c mismatch in step {step}, rank {shard}, chunk {i} after "
                                 f"decoding {where}", step=step, rank=shard, chunk=i, where=where)
-    return scratch, stored
+    return scratch, size
 
 
 Piece = tuple[int, int, memoryview]
@@ -654,7 +667,10 @@ def fetch_chunks(store: ObjectStore, job: str, manifest: Manifest, shard: int, i
         buf = getattr(local, "buf", None)
         if buf is None or len(buf) < c.length:
             buf = local.buf = bytearray(c.length)
-        data, stored = _verified_chunk(store, job, manifest, shard, i, memoryview(buf)[:c.length])
+        if not hasattr(local, "blob"):
+            local.blob = bytearray()
+        data, stored = _verified_chunk(store, job, manifest, shard, i, memoryview(buf)[:c.length],
+                                       local.blob)
         lo, hi = c.offset, c.offset + c.length
         if pieces is not None:
             pos = lo

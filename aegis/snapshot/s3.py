@@ -391,6 +391,35 @@ class S3Store(ObjectStore):
     def get(self, key: str) -> bytes:
         return self._get(self._key(key), None)
 
+    def get_into(self, key: str, out: memoryview) -> int:
+        """GetObject, its body read with ``readinto`` straight into ``out``: no object-sized
+        ``bytes`` built from the socket's reads and then copied (one pass over the bytes less
+        than :meth:`get`). A body cut short raises botocore's IncompleteReadError: retried,
+        from the start of ``out``."""
+        full = self._key(key)
+
+        def fetch() -> int:
+            body = None
+            try:
+                r = self.client.get_object(Bucket=self.bucket, Key=full)
+                body = r["Body"]
+                size = int(r["ContentLength"])
+                got = 0
+                while size <= len(out) and got < size:
+                    n = body.readinto(out[got:size])
+                    if not n:
+                        raise bexc.IncompleteReadError(actual_bytes=got, expected_bytes=size)
+                    got += n
+                return size
+            finally:
+                if body is not None:
+                    body.close()
+
+        size: int = self._call("get", lambda **_: fetch(), Key=full)
+        with self._lock:
+            self.stats.bytes_down += min(size, len(out))
+        return size
+
     def get_range(self, key: str, start: int, end: int) -> bytes:
         return self._get(self._key(key), f"bytes={start}-{end - 1}")
 
