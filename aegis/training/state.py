@@ -124,10 +124,13 @@ class ModelOptimizerState:
         taken) gets none, as in the run that saved it: giving it zeros made the state's keys
         differ from the snapshot's, and such a model could not be restored at all. Anything else
         is zeros, as Adam's first step would make it."""
-        names = _state_names(self.model)
+        names: dict[torch.Tensor, str] | None = None  # made once, if any optimizer needs state
 
         def held(p: torch.Tensor, fields: tuple[str, ...]) -> bool | None:
             """True: the snapshot has all of p's state; False: none of it; None: unknown, part."""
+            nonlocal names
+            if names is None:
+                names = _state_names(self.model) if saved is not None else {}
             name = names.get(p)
             if saved is None or name is None:
                 return None
