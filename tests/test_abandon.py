@@ -203,3 +203,25 @@ def test_a_teardown_aborts_only_the_managers_of_the_round_that_ended() -> None:
     teardown(abandon.GlooAbandon(), [])  # round0 is still alive (held here), not aborted again
     assert round0.calls == [True, False]
     assert round1.calls == [True, False]
+
+
+@pytest.mark.quick
+def test_a_snapshot_thread_says_where_it_is_while_a_teardown_waits_on_it() -> None:
+    """What the ``abort_wait`` event reports: the snapshot thread's innermost frames while it is
+    still busy, and None once it has ended."""
+    from aegis.snapshot.engine_plan import _DaemonWorker
+
+    release, entered = threading.Event(), threading.Event()
+
+    def busy_replicating() -> None:
+        entered.set()
+        release.wait(60)
+
+    worker = _DaemonWorker("aegis-test")
+    worker.submit(busy_replicating)
+    assert entered.wait(60)
+    where = worker.where()
+    assert where is not None and "busy_replicating" in where, where
+    release.set()
+    worker.shutdown(wait=True, timeout=60)
+    assert not worker.alive and worker.where() is None

@@ -232,6 +232,7 @@ class SnapshotEngine:
         self.last_step = -1  # newest step saved or restored: save() must go beyond it
         self._executor = _DaemonWorker(f"aegis-snap-r{self.rank}")
         self._closed = False
+        self.busy_at_abort: str | None = None  # abort() gave up waiting on the thread: where it was
         if self.stager.pins:
             self.slots.adopt_kept()
 
@@ -390,7 +391,10 @@ class SnapshotEngine:
             return
         self._executor.shutdown(wait=True, timeout=timeout)
         if self._executor.alive:
-            return  # still blocked (a stopped peer): its slots stay mapped until it ends
+            # still blocked (a stopped peer) or still busy: its slots stay mapped until it ends;
+            # where it is goes into the Manager's abort event
+            self.busy_at_abort = self._executor.where()
+            return
         with self._lock:
             slots = self.slots.spares() + self.redundancy.staged_slots()
             if self._inflight is not None and self._inflight[1] is not None:

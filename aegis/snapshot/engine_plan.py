@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import queue
+import sys
 import threading
+import traceback
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import Any
@@ -192,3 +195,12 @@ class _DaemonWorker:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    def where(self, depth: int = 5) -> str | None:
+        """Where the thread is now: its innermost ``depth`` frames, innermost first (``file:line
+        function``), or None when it has ended. For a teardown that gave up waiting on it."""
+        frame = sys._current_frames().get(self._thread.ident or -1)
+        if frame is None:
+            return None
+        stack = traceback.extract_stack(frame)[-depth:]
+        return " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(stack))

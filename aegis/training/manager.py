@@ -601,6 +601,10 @@ class Manager:
         self._closed = True
         self._remove_hooks()
         self.engine.abort(begin=begin)
+        if not begin and self.engine.busy_at_abort is not None:
+            # the teardown went on without it: what it still does competes with the next round
+            self.events.emit("abort_wait", thread="snapshot", waited_s=0.5,
+                             where=self.engine.busy_at_abort)
         if self.uploader is not None:
             if begin:
                 self.uploader.abort()
