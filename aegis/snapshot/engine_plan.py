@@ -196,11 +196,16 @@ class _DaemonWorker:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def where(self, depth: int = 5) -> str | None:
-        """Where the thread is now: its innermost ``depth`` frames, innermost first (``file:line
-        function``), or None when it has ended. For a teardown that gave up waiting on it."""
-        frame = sys._current_frames().get(self._thread.ident or -1)
-        if frame is None:
-            return None
-        stack = traceback.extract_stack(frame)[-depth:]
-        return " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(stack))
+    def where(self) -> str | None:
+        """:func:`thread_where` of its thread."""
+        return thread_where(self._thread)
+
+
+def thread_where(thread: threading.Thread, depth: int = 5) -> str | None:
+    """Where ``thread`` is now: its innermost ``depth`` frames, innermost first (``file:line
+    function``), or None when it has ended. For a teardown that gave up waiting on it."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    if frame is None:
+        return None
+    stack = traceback.extract_stack(frame)[-depth:]
+    return " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(stack))

@@ -36,6 +36,7 @@ from aegis.goodput import AutoInterval, daly_interval
 from aegis.snapshot.codec import Codec
 from aegis.snapshot.durable import Uploader, UploadResult, clean_uncommitted, list_steps
 from aegis.snapshot.engine import SnapshotEngine, SnapshotHandle, SnapshotResult, format_bytes
+from aegis.snapshot.engine_plan import thread_where
 from aegis.snapshot.manifest import Commit
 from aegis.snapshot.node_store import NodeStore
 from aegis.snapshot.objstore import open_store
@@ -600,19 +601,26 @@ class Manager:
         """
         self._closed = True
         self._remove_hooks()
+        t0 = time.perf_counter()
         self.engine.abort(begin=begin)
-        if not begin and self.engine.busy_at_abort is not None:
-            # the teardown went on without it: what it still does competes with the next round
-            self.events.emit("abort_wait", thread="snapshot", waited_s=0.5,
-                             where=self.engine.busy_at_abort)
+        t1 = time.perf_counter()
+        uploading: str | None = None
         if self.uploader is not None:
             if begin:
                 self.uploader.abort()
             else:  # the running upload ends at its next collective if a peer is gone
                 self.uploader._thread.join(timeout=5)
+                if self.uploader._thread.is_alive():
+                    uploading = thread_where(self.uploader._thread)
+        t2 = time.perf_counter()
         if not begin and self.durable_store is not None:
             with contextlib.suppress(Exception):
                 self.durable_store.close()
+        if not begin and (t2 - t0 > 0.1 or self.engine.busy_at_abort or uploading):
+            # a teardown that waited on this Manager's threads (or went on without them: what
+            # they still do competes with the next round): how long, and where they were
+            self.events.emit("abort_wait", snapshot_s=t1 - t0, upload_s=t2 - t1,
+                             snapshot_at=self.engine.busy_at_abort, upload_at=uploading)
 
     def __enter__(self) -> Manager:
         return self
