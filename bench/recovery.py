@@ -445,7 +445,7 @@ def run_arm(arm: str, args: argparse.Namespace, spec: str, work: Path, extra: li
                   "rebuild_s": t_up - t_grouped, "restore_s": t_restored - t_up,
                   "world_after": recoveries[0]["world_size"],
                   # a teardown that stopped waiting for a snapshot thread: where that thread was
-                  "abort_wait": [{k: e.get(k) for k in ("rank", "snapshot_s", "upload_s",
+                  "abort_wait": [{k: e.get(k) for k in ("rank", "snapshot_s", "upload_s", "snapshot",
                                                          "snapshot_at", "upload_at")}
                                  for e in after if e["event"] == "abort_wait"
                                  and (t_replace is None or e["time"] < t_replace)],

@@ -233,6 +233,7 @@ class SnapshotEngine:
         self._executor = _DaemonWorker(f"aegis-snap-r{self.rank}")
         self._closed = False
         self.busy_at_abort: str | None = None  # abort() gave up waiting on the thread: where it was
+        self.abort_timings: dict[str, float] = {}  # abort(begin=False): waiting, releasing the slots
         if self.stager.pins:
             self.slots.adopt_kept()
 
@@ -389,7 +390,9 @@ class SnapshotEngine:
         if begin:
             self._executor.shutdown(wait=False)
             return
+        t0 = time.perf_counter()
         self._executor.shutdown(wait=True, timeout=timeout)
+        self.abort_timings = {"wait_s": time.perf_counter() - t0}
         if self._executor.alive:
             # still blocked (a stopped peer) or still busy: its slots stay mapped until it ends;
             # where it is goes into the Manager's abort event
@@ -408,6 +411,7 @@ class SnapshotEngine:
             self.slots.unlink_spares(keep_own=self.stager.pins)
             self._committed.clear()
             self._inflight = None
+        self.abort_timings["release_s"] = time.perf_counter() - t0 - self.abort_timings["wait_s"]
 
     # -- planning ------------------------------------------------------------------------------
 

@@ -620,6 +620,7 @@ class Manager:
             # a teardown that waited on this Manager's threads (or went on without them: what
             # they still do competes with the next round): how long, and where they were
             self.events.emit("abort_wait", snapshot_s=t1 - t0, upload_s=t2 - t1,
+                             snapshot=self.engine.abort_timings,
                              snapshot_at=self.engine.busy_at_abort, upload_at=uploading)
 
     def __enter__(self) -> Manager:
