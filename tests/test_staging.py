@@ -192,6 +192,71 @@ def test_slot_mappings_outlive_a_manager_in_the_same_process(store_dir: Path) ->
         assert r["stale"] == [], r
 
 
+def _freed_after_abort(rank: int, world: int, store: str) -> dict[str, Any]:
+    from aegis.snapshot import engine
+    from aegis.snapshot.engine import await_releases
+
+    model, opt, sched = build(world, seed=0)
+    mgr = _mgr(store, model, opt, sched, "sync")
+    mgr.restore()
+    for step in (1, 2):
+        train_step(model, opt, sched, step, rank)
+        mgr.save(step)
+    mgr.wait()
+    slots = NodeStore(store, JOB).slots_dir
+
+    def mine() -> list[str]:  # this rank's pool files and this process's trash (one node store)
+        return sorted(f.name for f in slots.iterdir()
+                      if f"-{rank:05d}." in f.name or f.name.startswith(f"trash-{os.getpid()}-"))
+
+    before = mine()
+    mgr.abort(begin=True)
+    mgr.abort(begin=False)
+    # at once: no spare left in any pool (renamed out, its pages freed on a thread)
+    pooled = [n for n in mine() if not n.startswith("trash-")]
+    handed = len(engine._releases)  # the freeing was handed to a thread, not done in abort
+    await_releases()
+    left = mine()
+    mgr2 = _mgr(store, model, opt, sched, "sync")
+    restored = mgr2.restore()
+    for step in (3, 4):
+        train_step(model, opt, sched, step, rank)
+        mgr2.save(step)
+    mgr2.close()
+    return {"before": before, "pooled": pooled, "left": left, "restored": restored,
+            "handed": handed}
+
+
+def test_an_aborted_engine_frees_its_spare_slots_off_the_teardown(store_dir: Path) -> None:
+    """A teardown renames the aborted engine's spare slot files out of the pools and frees them
+    on a thread (their pages took most of a 1 GB-per-rank teardown): none is left in a pool
+    when abort returns, none at all once the releases are done, and the next Manager of the
+    process restores and saves as before."""
+    for r in run_ranks(2, _freed_after_abort, str(store_dir)):
+        assert r["before"], r  # there were spares to free
+        assert r["pooled"] == [] and r["left"] == [], r
+        assert r["handed"] >= 1 and r["restored"] == 2, r
+
+
+@pytest.mark.quick
+def test_trash_of_a_dead_process_is_removed_and_a_live_ones_kept(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from aegis.snapshot.slot_pools import TRASH, remove_trash
+
+    ns = NodeStore(str(tmp_path), JOB)
+    ns.create()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], check=True,
+                          capture_output=True, text=True).stdout.strip()
+    (ns.slots_dir / f"{TRASH}{dead}-0.1").write_bytes(b"x")
+    (ns.slots_dir / f"{TRASH}{os.getpid()}-0.2").write_bytes(b"x")
+    (ns.slots_dir / "rank-00000.3").write_bytes(b"x")
+    assert remove_trash(ns) == 1
+    assert sorted(f.name for f in ns.slots_dir.iterdir()) == sorted(
+        [f"{TRASH}{os.getpid()}-0.2", "rank-00000.3"])
+
+
 @pytest.mark.quick
 def test_staging_mode_is_checked(store_dir: Path) -> None:
     from aegis.training.config import ManagerConfig

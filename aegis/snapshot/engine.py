@@ -23,11 +23,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -66,6 +68,32 @@ from aegis.snapshot.transport import Transport
 __all__ = ["SnapshotEngine", "SnapshotHandle", "SnapshotResult", "format_bytes"]
 
 _TAIL_ALLOWANCE = 1 << 20  # bytes region + index, estimated for the free-space check
+
+
+# Slot releases an aborted engine left to threads (in-process recovery): every engine of the
+# process waits for them before it counts the store's free bytes, and at its close.
+_releases: list[threading.Thread] = []
+
+
+def _release_later(slots: list[Slot], paths: list[Path]) -> None:
+    """Close ``slots`` (unmap) and unlink ``paths`` on a daemon thread."""
+    def run() -> None:
+        for slot in slots:
+            with contextlib.suppress(Exception):
+                slot.close()
+        for path in paths:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+    t = threading.Thread(target=run, name="aegis-slot-release", daemon=True)
+    t.start()
+    _releases.append(t)
+
+
+def await_releases() -> None:
+    """Wait until the slot releases of aborted engines are done."""
+    while _releases:
+        _releases.pop(0).join()
 
 
 def format_bytes(n: float) -> str:
@@ -370,6 +398,7 @@ class SnapshotEngine:
         finally:
             self._closed = True
             self._executor.shutdown(wait=True)
+            await_releases()
             for slot in self.slots.spares():
                 slot.close(keep=False)
             self.slots.unlink_spares()
@@ -399,18 +428,28 @@ class SnapshotEngine:
             self.busy_at_abort = self._executor.where()
             return
         with self._lock:
-            slots = self.slots.spares() + self.redundancy.staged_slots()
+            slots = self.redundancy.staged_slots()
             if self._inflight is not None and self._inflight[1] is not None:
                 slots.append(self._inflight[1])
             for _, own, replica_slots in self._committed:
                 slots.extend(s for s in (own, *replica_slots) if s is not None)
-            for slot in slots:
-                slot.close()
-            # spares go; with device staging own ones stay with their mappings (kept by this
-            # process, registered) for the next round's engine (SlotPools.adopt_kept)
-            self.slots.unlink_spares(keep_own=self.stager.pins)
+            if self.stager.pins:
+                # spares go; with device staging own ones stay with their mappings (kept by
+                # this process, registered) for the next round's engine (SlotPools.adopt_kept)
+                for slot in [*self.slots.spares(), *slots]:
+                    slot.close()
+                self.slots.unlink_spares(keep_own=True)
+                trash: list[Slot] = []
+            else:
+                # renamed out of the pools now (the next engine of this process never sees
+                # them); unmapped and unlinked on a thread: freeing their pages took 0.66-1.37 s
+                # of a 1 GB-per-rank teardown here (the next engine waits for it before it
+                # counts the store's free bytes)
+                trash = self.slots.trash_spares()
             self._committed.clear()
             self._inflight = None
+        if trash or not self.stager.pins:
+            _release_later([*trash, *slots], [s.path for s in trash])
         self.abort_timings["release_s"] = time.perf_counter() - t0 - self.abort_timings["wait_s"]
 
     # -- planning ------------------------------------------------------------------------------
@@ -492,6 +531,7 @@ class SnapshotEngine:
 
     def _check_capacity(self, layout: ShardLayout) -> None:
         """Fail before the first save if this node's store cannot hold keep + 1 snapshots."""
+        await_releases()  # an aborted engine's slots still being freed would count as used
         per_shard = layout.tensor_end + _TAIL_ALLOWANCE
         # own shard + the replicas this rank receives, for keep + 1 snapshots
         copies = self.redundancy.copies_per_shard()

@@ -21,7 +21,31 @@ from aegis.snapshot import hostmem
 from aegis.snapshot.node_store import NodeStore, Slot
 from aegis.snapshot.shard import ShardLayout
 
-__all__ = ["SlotPools"]
+__all__ = ["SlotPools", "remove_trash", "TRASH"]
+
+TRASH = "trash-"  # free slots an aborted engine renamed out of the pools, still to be removed
+
+
+def remove_trash(store: NodeStore) -> int:
+    """Unlink the trashed slot files (:meth:`SlotPools.trash_spares`) in ``store``'s slot
+    directory of processes that no longer exist (a live one removes its own); returns how many."""
+    n = 0
+    if not store.slots_dir.is_dir():
+        return 0
+    for name in os.listdir(store.slots_dir):
+        if not name.startswith(TRASH):
+            continue
+        try:
+            os.kill(int(name[len(TRASH):].split("-", 1)[0]), 0)
+            continue  # alive (or not ours to signal): its own thread removes them
+        except ProcessLookupError:
+            pass
+        except (ValueError, PermissionError, OverflowError):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(store.slots_dir / name)
+            n += 1
+    return n
 
 
 class SlotPools:
@@ -40,6 +64,7 @@ class SlotPools:
         self._replica: list[Slot] = [Slot(p, "replica") for p in store.free_slots(rank, "replica")]
         self._parity: list[Slot] = [Slot(p, "parity") for p in store.free_slots(rank, "parity")]
         self._next = 1 + max((int(p.path.name.rsplit(".", 1)[1]) for p in self.spares()), default=0)
+        remove_trash(store)  # a process that died with trashed slots left to remove
 
     def adopt_kept(self) -> None:
         """Free slots this process mapped (and registered) under an earlier engine, e.g. in the
@@ -112,6 +137,24 @@ class SlotPools:
         self.own.clear()
         self._replica.clear()
         self._parity.clear()
+
+    def trash_spares(self) -> list[Slot]:
+        """Rename every free slot's file out of the pools (``.slots/trash-<pid>-<n>``: no pool of
+        any rank lists it, an O(1) rename each) and forget every spare; returns them, for the
+        caller to close and unlink off the critical path (:func:`remove_trash`). Freeing a 1 GB
+        tmpfs file's pages took 0.3-0.7 s of an in-process teardown here (1 GB per rank)."""
+        out = []
+        for slot in self.spares():
+            with self.lock:
+                k = self._next
+                self._next += 1
+            with contextlib.suppress(FileNotFoundError):
+                slot.move(self.store.slots_dir / f"{TRASH}{os.getpid()}-{self.rank}.{k}")
+                out.append(slot)
+        self.own.clear()
+        self._replica.clear()
+        self._parity.clear()
+        return out
 
     def reusable_bytes(self) -> int:
         """Bytes the own pool's files already hold (the capacity check counts them as free)."""
