@@ -172,8 +172,8 @@ def build_model(
     (``fc`` column-wise, ``proj`` row-wise; attention stays whole on every TP rank).
 
     A sharded model is built on the meta device, sharded there and only then given memory: no
-    full-size copy is initialised and then split (173M parameters: 3.6 s to build and shard
-    that way, 0.3 s this way). ``init=False`` leaves its values unset, for a caller that is about
+    full-size copy is initialised and then split (173M parameters, one core, a loaded machine:
+    3.6 s to build and shard that way, 0.3 s this way). ``init=False`` leaves its values unset, for a caller that is about
     to restore every one of them (see :func:`init_weights` for the case where nothing was).
     """
     cfg = CONFIGS[config] if isinstance(config, str) else config
