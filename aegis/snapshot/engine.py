@@ -73,6 +73,7 @@ _TAIL_ALLOWANCE = 1 << 20  # bytes region + index, estimated for the free-space 
 # Slot releases an aborted engine left to threads (in-process recovery): every engine of the
 # process waits for them before it counts the store's free bytes, and at its close.
 _releases: list[threading.Thread] = []
+_releases_lock = threading.Lock()
 
 
 def _release_later(slots: list[Slot], paths: list[Path]) -> None:
@@ -86,14 +87,19 @@ def _release_later(slots: list[Slot], paths: list[Path]) -> None:
                 os.unlink(path)
 
     t = threading.Thread(target=run, name="aegis-slot-release", daemon=True)
+    with _releases_lock:
+        _releases.append(t)
     t.start()
-    _releases.append(t)
 
 
 def await_releases() -> None:
-    """Wait until the slot releases of aborted engines are done."""
-    while _releases:
-        _releases.pop(0).join()
+    """Wait until every slot release started before this call is done."""
+    with _releases_lock:
+        pending = list(_releases)
+    for t in pending:
+        t.join()
+    with _releases_lock:
+        _releases[:] = [t for t in _releases if t not in pending]
 
 
 def format_bytes(n: float) -> str:
@@ -439,17 +445,18 @@ class SnapshotEngine:
                 for slot in [*self.slots.spares(), *slots]:
                     slot.close()
                 self.slots.unlink_spares(keep_own=True)
-                trash: list[Slot] = []
+                spares: list[Slot] = []
+                trash: list[Path] = []
             else:
                 # renamed out of the pools now (the next engine of this process never sees
                 # them); unmapped and unlinked on a thread: freeing their pages took 0.66-1.37 s
                 # of a 1 GB-per-rank teardown here (the next engine waits for it before it
                 # counts the store's free bytes)
-                trash = self.slots.trash_spares()
+                spares, trash = self.slots.trash_spares()
             self._committed.clear()
             self._inflight = None
-        if trash or not self.stager.pins:
-            _release_later([*trash, *slots], [s.path for s in trash])
+        if not self.stager.pins:
+            _release_later([*spares, *slots], trash)
         self.abort_timings["release_s"] = time.perf_counter() - t0 - self.abort_timings["wait_s"]
 
     # -- planning ------------------------------------------------------------------------------

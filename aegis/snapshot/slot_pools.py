@@ -13,6 +13,7 @@ the world size: keep + 1 own slots, one replica slot per source rank, one parity
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import threading
 from pathlib import Path
@@ -24,6 +25,7 @@ from aegis.snapshot.shard import ShardLayout
 __all__ = ["SlotPools", "remove_trash", "TRASH"]
 
 TRASH = "trash-"  # free slots an aborted engine renamed out of the pools, still to be removed
+_trashed = itertools.count()  # trash names unique within the process
 
 
 def remove_trash(store: NodeStore) -> int:
@@ -138,23 +140,22 @@ class SlotPools:
         self._replica.clear()
         self._parity.clear()
 
-    def trash_spares(self) -> list[Slot]:
+    def trash_spares(self) -> tuple[list[Slot], list[Path]]:
         """Rename every free slot's file out of the pools (``.slots/trash-<pid>-<n>``: no pool of
-        any rank lists it, an O(1) rename each) and forget every spare; returns them, for the
-        caller to close and unlink off the critical path (:func:`remove_trash`). Freeing a 1 GB
-        tmpfs file's pages took 0.3-0.7 s of an in-process teardown here (1 GB per rank)."""
-        out = []
-        for slot in self.spares():
-            with self.lock:
-                k = self._next
-                self._next += 1
+        any rank lists it, an O(1) rename each) and forget every spare; returns (every spare, to
+        close, the trash paths, to unlink), for the caller to do off the critical path. A file
+        already gone (another rank's engine removed it) is closed, never unlinked: its old name
+        may be a new slot's by then. Freeing a 1 GB tmpfs file's pages took 0.3-0.7 s of an
+        in-process teardown here (1 GB per rank)."""
+        spares, paths = self.spares(), []
+        for slot in spares:
             with contextlib.suppress(FileNotFoundError):
-                slot.move(self.store.slots_dir / f"{TRASH}{os.getpid()}-{self.rank}.{k}")
-                out.append(slot)
+                slot.move(self.store.slots_dir / f"{TRASH}{os.getpid()}-{self.rank}.{next(_trashed)}")
+                paths.append(slot.path)
         self.own.clear()
         self._replica.clear()
         self._parity.clear()
-        return out
+        return spares, paths
 
     def reusable_bytes(self) -> int:
         """Bytes the own pool's files already hold (the capacity check counts them as free)."""
