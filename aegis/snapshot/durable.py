@@ -598,8 +598,9 @@ def _verified_chunk(store: ObjectStore, job: str, manifest: Manifest, shard: int
     """Chunk ``i`` of ``shard`` downloaded and verified into ``scratch`` (the chunk's length):
     (its raw bytes, the stored bytes downloaded). A raw chunk is read straight into ``scratch``
     and checked once there (its stored crc32c is its raw crc32c); another is read into ``blob``
-    (grown to its stored size when smaller; a new buffer when None), checked, decoded into
-    ``scratch`` and its raw crc32c checked there. The object is read into memory this function
+    (a new buffer when None or smaller than its stored size; never resized: a view of it may
+    still be held by an exception's frames), checked, decoded into ``scratch`` and its raw
+    crc32c checked there. The object is read into memory this function
     owns (``store.get_into``): no object-sized ``bytes`` is built and copied again."""
     c = manifest.shard(shard).chunks[i]
     step = manifest.step
@@ -614,9 +615,7 @@ def _verified_chunk(store: ObjectStore, job: str, manifest: Manifest, shard: int
         into = scratch
     else:
         if blob is None or len(blob) < c.stored_length:
-            blob = bytearray(c.stored_length) if blob is None else blob
-            if len(blob) < c.stored_length:
-                blob.extend(bytes(c.stored_length - len(blob)))
+            blob = bytearray(c.stored_length)
         into = memoryview(blob)[:c.stored_length]
     try:
         size = store.get_into(key, into)
@@ -667,10 +666,11 @@ def fetch_chunks(store: ObjectStore, job: str, manifest: Manifest, shard: int, i
         buf = getattr(local, "buf", None)
         if buf is None or len(buf) < c.length:
             buf = local.buf = bytearray(c.length)
-        if not hasattr(local, "blob"):
-            local.blob = bytearray()
+        blob = getattr(local, "blob", None)
+        if c.codec != "raw" and c.stored_length is not None and (blob is None or len(blob) < c.stored_length):
+            blob = local.blob = bytearray(c.stored_length)
         data, stored = _verified_chunk(store, job, manifest, shard, i, memoryview(buf)[:c.length],
-                                       local.blob)
+                                       blob)
         lo, hi = c.offset, c.offset + c.length
         if pieces is not None:
             pos = lo
