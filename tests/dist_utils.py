@@ -69,7 +69,9 @@ def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tupl
     import torch
     import torch.distributed as dist
 
-    # A hung rank prints every thread's stack before the test gives up on it.
+    # A crashed rank (a segfault) prints its threads' Python stacks into its stderr, which the
+    # test shows; a hung rank prints every thread's stack before the test gives up on it.
+    faulthandler.enable()
     faulthandler.dump_traceback_later(float(env.get("AEGIS_TEST_DUMP_AFTER", "100")), exit=False)
     torch.set_num_threads(1)
     try:

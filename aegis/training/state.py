@@ -123,7 +123,11 @@ class ModelOptimizerState:
         are then taken by the load). A parameter the snapshot holds no state for (it never had
         a gradient before it was taken) gets none, as in the run that saved it: giving it zeros
         made the state's keys differ from the snapshot's, and such a model could not be
-        restored at all. Anything else is zeros, as Adam's first step would make it."""
+        restored at all. Anything else is zeros, as Adam's first step would make it.
+
+        Args:
+            saved: whether the snapshot to be loaded holds a key; None: unknown (zeros for all).
+        """
         names: dict[torch.Tensor, str] | None = None  # made once, if any optimizer needs state
 
         def held(p: torch.Tensor, fields: tuple[str, ...]) -> bool | None:
