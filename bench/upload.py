@@ -78,11 +78,15 @@ def _rank(rank: int, world: int, args: argparse.Namespace, bucket: str, work: st
     for path in glob.glob(f"{work}/events-{rank}/**/*.jsonl", recursive=True):
         for line in Path(path).read_text().splitlines():
             e = json.loads(line)
-            if e.get("event") == "upload":
-                for s in saves:
-                    if s["step"] == e.get("step"):
-                        s.update({k: e.get(k) for k in ("encode_s", "requests", "retries", "raw_bytes",
-                                                        "stored_bytes", "chunks")})
+            for s in saves:
+                if s["step"] != e.get("step"):
+                    continue
+                if e.get("event") == "upload":
+                    s.update({k: e.get(k) for k in ("encode_s", "requests", "retries", "raw_bytes",
+                                                    "stored_bytes", "chunks")})
+                elif e.get("event") == "snapshot":  # where the memory commit's time went
+                    s["snapshot_ms"] = {k: e.get(k) for k in (
+                        "blocking_ms", "copy_ms", "background_ms", "replicate_ms", "commit_ms")}
     s3 = boto3.client("s3", region_name="us-east-1")
     body = memoryview(torch.cat(list(state.values())).view(torch.uint8).numpy())  # type: ignore[arg-type]
     keys = [(f"floor/rank-{rank}/{i:05d}", a) for i, a in enumerate(range(0, len(body), PART))]
@@ -132,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         for s in r["saves"]:
             print(f"rank {r['rank']} save {s['step']}: commit {s['commit_s']:.2f} s, upload "
                   f"{s['upload_s']:.2f} s (encode {s.get('encode_s', 0):.2f} s over the threads, "
-                  f"{s.get('requests')} requests)")
+                  f"{s.get('requests')} requests)"
+                  + "".join(f", {k[:-3]} {v / 1e3:.2f} s" for k, v in s.get("snapshot_ms", {}).items() if v))
         print(f"rank {r['rank']}: plain boto3 put of the same {r['bytes'] / 1e6:.0f} MB: {r['boto3_put_s']:.2f} s")
     print(f"slowest rank, last save: upload {sm['upload_s']:.2f} s = {sm['upload / boto3 put']:.2f}x the "
           f"boto3 put floor ({sm['boto3_put_s']:.2f} s); with the memory commit "

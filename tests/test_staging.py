@@ -238,6 +238,42 @@ def test_an_aborted_engine_frees_its_spare_slots_off_the_teardown(store_dir: Pat
         assert r["handed"] >= 1 and r["restored"] == 2, r
 
 
+def _replica_slots_stocked(rank: int, world: int, store: str) -> dict[str, Any]:
+    os.environ["AEGIS_NODE_ID"] = f"n{rank}"  # two nodes: each holds the other's replica
+    model, opt, sched = build(world, seed=0)
+    mgr = Manager(JOB, {"model": ModelOptimizerState(model, opt), "sched": sched},
+                  store_dir=f"{store}/n{rank}", verbose=False, replicas=1, keep=1)
+    mgr.restore()
+    engine, peer = mgr.engine, 1 - rank
+    inodes, got = [], []
+    for step in (1, 2, 3):
+        train_step(model, opt, sched, step, rank)
+        mgr.save(step)
+        mgr.wait()
+        got.append(os.stat(engine.store.shard_path(step, peer)).st_ino)
+        engine._executor.submit(lambda: None).result()  # the commit's follow-up work is done
+        inodes.append([(os.stat(s.path).st_ino, s.capacity, s.mapped) for s in engine.slots._replica])
+    files = sorted(f.name for f in engine.store.slots_dir.iterdir() if f.name.startswith("replica-"))
+    mgr.close()
+    return {"inodes": inodes, "got": got, "pool_files": files,
+            "size": os.path.getsize(NodeStore(f"{store}/n{rank}", JOB).shard_path(3, peer))}
+
+
+def test_the_next_saves_replica_slot_is_made_before_it(store_dir: Path) -> None:
+    """After a commit the engine's thread makes (and pre-faults) the replica slot the next save
+    receives into, so no save after the first allocates a replica's pages while its peer waits
+    (1 GB: 0.3-1 s of the commit). The pool does not grow past keep + 1 replicas."""
+    for r in run_ranks(2, _replica_slots_stocked, str(store_dir)):
+        after_first = r["inodes"][0]
+        assert len(after_first) == 1, r  # made after the first commit, mapped: the tensor region
+        ino, cap, mapped = after_first[0]
+        assert mapped and 0 < cap < r["size"], r
+        assert r["got"][1] == ino, r  # the second save received into it
+        assert r["got"][2] == r["got"][0], r  # the third into the first's, freed by eviction
+        assert all(len(x) == 1 for x in r["inodes"]), r
+        assert len(r["pool_files"]) <= 1, r
+
+
 @pytest.mark.quick
 def test_trash_of_a_dead_process_is_removed_and_a_live_ones_kept(tmp_path: Path) -> None:
     import subprocess

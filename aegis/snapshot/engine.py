@@ -600,7 +600,7 @@ class SnapshotEngine:
         except Exception as e:  # noqa: BLE001 - a peer that stopped answering: abort for everyone
             err, full = err or f"{self.redundancy.what}: {type(e).__name__}: {e}", False
         received, replica_slots = protected.received, protected.slots
-        result.replica_bytes = sum(s.capacity for s in replica_slots if s.kind == "replica")
+        result.replica_bytes = sum(os.fstat(s.fd).st_size for s in replica_slots if s.kind == "replica")
         if self.poisoned is not None and (why := self.poisoned()) is not None:
             err, full = err or f"round abandoned: {why}", False
         tc = time.perf_counter()
@@ -686,6 +686,8 @@ class SnapshotEngine:
                 self._evict()
             except Exception as e:  # noqa: BLE001
                 result.error = f"eviction failed: {type(e).__name__}: {e}"
+        if sizes := [s.capacity for s in replica_slots if s.kind == "replica"]:  # the next save's,
+            self._executor.submit(self.slots.stock_replicas, sizes)  # pre-faulted: see there
         result.commit_s = time.perf_counter() - tc
         if self.stager.pins and not slot.pinned:
             # the slot of a first save after a (re)plan was copied unpinned: register it now,

@@ -179,17 +179,26 @@ class ReplicaScheme(Scheme):
                      torch.frombuffer(bytearray(staged.tail), dtype=torch.uint8)]
         slots: dict[int, Slot] = {}
         no_room: dict[int, str] = {}
+        tails: dict[int, tuple[int, torch.Tensor]] = {}  # source -> (its tensor region's size, tail)
 
         def alloc(src: int) -> Callable[[list[int]], list[torch.Tensor]]:
             def fn(sizes: list[int]) -> list[torch.Tensor]:
+                # (tensor region, tail): the region into the mapped slot, whose size is the
+                # plan's (the same every save: the slot is reused as it is); the tail (bytes
+                # region, index, footer; a few bytes more or less each step) into private
+                # memory, written behind the region once verified (as the owner's own slot)
+                head = sizes[0] if len(sizes) == 2 else sum(sizes)
                 try:
-                    rs = self.pools.take_replica(step, src, max(sum(sizes), 1))
+                    rs = self.pools.take_replica(step, src, max(head, 1))
                 except Exception as e:
                     if not is_store_full(e):
                         raise
                     no_room[src] = f"{type(e).__name__}: {e}"
                     return [torch.empty(n, dtype=torch.uint8) for n in sizes]  # drained, dropped
                 slots[src] = rs
+                if len(sizes) == 2:
+                    tails[src] = (head, torch.empty(sizes[1], dtype=torch.uint8))
+                    return [rs.view[:head], tails[src][1]]
                 out, pos = [], 0
                 for n in sizes:
                     out.append(rs.view[pos:pos + n])
@@ -212,16 +221,27 @@ class ReplicaScheme(Scheme):
             if src in no_room:
                 received.append((src, None, f"no room for the replica: {no_room[src]}"))
                 continue
-            if rs is None or rs.capacity <= 1:
+            if rs is None or (src not in tails and rs.capacity <= 1):
                 received.append((src, None, "no shard received (the owner failed)"))
                 continue
+            where = f"replica on node {self.node!r}"
             try:
-                with rs.memory as mem:
-                    _, icrc = check_blob(mem, step=step, rank=src,
-                                         where=f"replica on node {self.node!r}")
+                if src in tails:
+                    head, tail = tails[src][0], _mv(tails[src][1])
+                    with rs.memory as mem, mem[:head] as region:
+                        _, icrc = check_split(region, tail, step=step, rank=src, where=where)
+                    rs.write_tail([], bytes(tail), head)
+                else:
+                    with rs.memory as mem:
+                        _, icrc = check_blob(mem, step=step, rank=src, where=where)
                 received.append((src, icrc, None))
             except CorruptShardError as e:
                 received.append((src, None, str(e)))
+            except OSError as e:  # the tail did not fit: a full store skips the snapshot
+                if not is_store_full(e):
+                    raise
+                no_room[src] = f"{type(e).__name__}: {e}"
+                received.append((src, None, f"no room for the replica: {no_room[src]}"))
         full = all(err is None or src in no_room for src, _, err in received)
         return Protected(received, list(slots.values()), full)
 

@@ -18,6 +18,7 @@ import os
 import threading
 from pathlib import Path
 
+from aegis.errors import StoreFullError
 from aegis.snapshot import hostmem
 from aegis.snapshot.node_store import NodeStore, Slot
 from aegis.snapshot.shard import ShardLayout
@@ -101,12 +102,46 @@ class SlotPools:
         return slot
 
     def take_replica(self, step: int, src: int, size: int) -> Slot:
-        """A replica slot of ``size`` bytes, moved to ``src``'s shard path of ``step``."""
+        """A replica slot of ``size`` bytes, moved to ``src``'s shard path of ``step``: a free
+        one of that size if the pool has one (no remap), else any free one, else a new one."""
         with self.lock:
-            slot = self._replica.pop() if self._replica else Slot(self.name("replica"), "replica")
+            fit = [i for i, s in enumerate(self._replica) if s.capacity == size]
+            slot = self._replica.pop(fit[-1] if fit else -1) if self._replica \
+                else Slot(self.name("replica"), "replica")
         slot.ensure(size)
         slot.move(self.store.shard_path(step, src))
         return slot
+
+    def stock_replicas(self, sizes: list[int]) -> int:
+        """Make (and pre-fault) free replica slots so that the pool holds one of each of
+        ``sizes`` (the replicas the last save received): the next save then receives into
+        memory that exists, not into a new tmpfs file whose pages the receive would allocate
+        (1 GB: 0.3-1 s of the commit here, more under memory pressure). Run off the training
+        thread, after a commit. The capacity check already counts these (keep + 1 replicas per
+        source). A full store stops the stocking (the save that needs the slot then reports
+        it). Returns how many slots were made."""
+        with self.lock:
+            free = [s.capacity for s in self._replica]
+        missing = []
+        for size in sizes:
+            if size in free:
+                free.remove(size)
+            else:
+                missing.append(size)
+        made = 0
+        for size in missing:
+            slot = Slot(self.name("replica"), "replica")
+            try:
+                slot.ensure(size)
+            except StoreFullError:
+                slot.close()
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(slot.path)
+                break
+            with self.lock:
+                self._replica.append(slot)
+            made += 1
+        return made
 
     def take_parity(self) -> Slot:
         """A parity slot, still in the pool's directory (the scheme sizes and moves it)."""
