@@ -156,16 +156,22 @@ def test_every_mode_writes_the_same_bytes(tmp_path: Path) -> None:
     assert crcs["sync"] == crcs["pinned"] == crcs["async"]
 
 
-def _kept_across_managers(rank: int, world: int, store: str) -> dict[str, Any]:
-    from aegis.snapshot import hostmem
-
+def _saved_twice(rank: int, world: int, store: str, staging: str) -> tuple[Any, Any, Any, Manager]:
+    """A model, its optimizer and scheduler, and a Manager that saved steps 1 and 2 of them."""
     model, opt, sched = build(world, seed=0)
-    mgr = _mgr(store, model, opt, sched, "pinned")
+    mgr = _mgr(store, model, opt, sched, staging)
     mgr.restore()
     for step in (1, 2):
         train_step(model, opt, sched, step, rank)
         mgr.save(step)
     mgr.wait()
+    return model, opt, sched, mgr
+
+
+def _kept_across_managers(rank: int, world: int, store: str) -> dict[str, Any]:
+    from aegis.snapshot import hostmem
+
+    model, opt, sched, mgr = _saved_twice(rank, world, store, "pinned")
     mgr.abort(begin=True)  # what an in-process round's teardown does: no close, no collectives
     mgr.abort(begin=False)
     kept_after_abort = hostmem.stats()["kept"]
@@ -196,13 +202,7 @@ def _freed_after_abort(rank: int, world: int, store: str) -> dict[str, Any]:
     from aegis.snapshot import engine
     from aegis.snapshot.engine import await_releases
 
-    model, opt, sched = build(world, seed=0)
-    mgr = _mgr(store, model, opt, sched, "sync")
-    mgr.restore()
-    for step in (1, 2):
-        train_step(model, opt, sched, step, rank)
-        mgr.save(step)
-    mgr.wait()
+    model, opt, sched, mgr = _saved_twice(rank, world, store, "sync")
     slots = NodeStore(store, JOB).slots_dir
 
     def mine() -> list[str]:  # this rank's pool files and this process's trash (one node store)
@@ -337,3 +337,31 @@ def test_replaced_parameters_and_optimizer_state_are_snapshotted(store_dir: Path
     over the same storage: a parameter whose ``.data`` was replaced and a new optimizer state
     tensor are in the next snapshot (both fail when the reuse ignores them)."""
     run_ranks(2, _replaced_tensors, str(store_dir))
+
+
+_CLOSED_UNDER_A_VIEW = """
+import sys
+from pathlib import Path
+from aegis.snapshot.node_store import Slot
+slot = Slot(Path(sys.argv[1]))
+slot.ensure(1 << 20)
+view = slot.view[4096:8192]  # e.g. a buffer a gloo transfer still holds after a failure
+slot.close()
+view.fill_(7)
+print(int(view.sum()))
+"""
+
+
+@pytest.mark.quick
+def test_a_slot_closed_while_a_view_lives_is_unmapped_only_after_it(tmp_path: Path) -> None:
+    """Closing a slot (an abort, a failed restore) while a tensor over its mapping lives leaves
+    the mapping in place until that tensor dies: before, ``torch.frombuffer`` took no buffer
+    export, the close unmapped the pages under the live view, and its next touch killed the
+    process with SIGSEGV (run in a child, so that this failing is an assertion, not a crash)."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", _CLOSED_UNDER_A_VIEW, str(tmp_path / "slot")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, (r.returncode, r.stderr[-3000:])
+    assert r.stdout.strip() == str(7 * 4096)

@@ -23,6 +23,7 @@ from aegis.read.dcp_meta import CopyPlanner
 from aegis.read.errors import ReadError, SourceError
 from aegis.read.locations import STATE_KINDS_FILE
 from aegis.read.tensors import checkpoint_error, quiet
+from aegis.snapshot import hostmem
 from aegis.snapshot.manifest import ItemRecord, dtype_from_name
 
 if TYPE_CHECKING:
@@ -126,7 +127,7 @@ def export_dcp(snap: Snapshot, out: Path, *, progress: Progress = _nop) -> dict[
             shape = rec.shape or ()
             if rec.length == 0:
                 return torch.empty(shape, dtype=dtype)
-            t = torch.frombuffer(m, dtype=dtype, count=rec.length // dtype.itemsize, offset=rec.file_offset)
+            t = hostmem.tensor_of(m, dtype, count=rec.length // dtype.itemsize, offset=rec.file_offset)
             return t.view(shape).clone()
 
         try:

@@ -19,7 +19,6 @@ import io
 import mmap
 import os
 import time
-import warnings
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -566,9 +565,7 @@ class ShardReader(StorageReader):
             stored = region.view(dtype)
         else:
             pinned = None
-            with warnings.catch_warnings():  # read-only mapping: the tensor is only read
-                warnings.simplefilter("ignore", UserWarning)
-                stored = torch.frombuffer(m, dtype=dtype, count=count, offset=rec.file_offset)
+            stored = hostmem.tensor_of(m, dtype, count=count, offset=rec.file_offset)  # read-only: only read
         stored = stored.view(rec.shape or ())
         src = _narrow(stored, req.storage_offsets, req.lengths)
         target = planner.resolve_tensor(req).detach()

@@ -32,7 +32,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["available", "register", "unregister", "Kept", "keep", "take", "sweep", "stats",
+__all__ = ["tensor_of", "available", "register", "unregister", "Kept", "keep", "take", "sweep", "stats",
            "release_all", "map_file"]
 
 _HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every context of the process
@@ -91,6 +91,27 @@ def map_file(fd: int, length: int, *, write: bool, populate: bool) -> mmap.mmap:
         finally:
             del t
     return m
+
+
+def tensor_of(buf: Any, dtype: Any = None, *, count: int = -1, offset: int = 0) -> Any:
+    """A tensor over ``buf`` (an mmap; ``count`` elements of ``dtype``, default uint8, from
+    byte ``offset``; -1: to the end) that keeps the buffer exported while it or any view of
+    it lives, so that closing the mapping fails (``BufferError``, which every closer here
+    suppresses) instead of unmapping it under them. ``torch.frombuffer`` takes no export: an
+    mmap closed while its tensors live is unmapped, and their next touch (a late copy, or a
+    gloo send or receive still in flight, which gloo cannot abandon) is a SIGSEGV. The export
+    is numpy's, held by the array ``torch.from_numpy`` keeps. A read-only buffer gives a
+    tensor that must only be read (torch's warning about it is silenced)."""
+    import numpy as np
+    import torch
+
+    dtype = dtype or torch.uint8
+    arr = np.frombuffer(buf, dtype=np.uint8, count=-1 if count < 0 else count * dtype.itemsize,
+                        offset=offset)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.from_numpy(arr)
+    return t if dtype == torch.uint8 else t.view(dtype)
 
 
 def populate(t: Any, *, write: bool = False) -> bool:

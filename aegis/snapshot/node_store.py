@@ -545,7 +545,7 @@ class Slot:
         # page tables filled now, with the GIL released (hostmem.map_file)
         self._map = hostmem.map_file(self.fd, cap, write=True, populate=prefault)
         self.capacity = cap
-        self._view = torch.frombuffer(self._map, dtype=torch.uint8)
+        self._view = hostmem.tensor_of(self._map)  # holds the mapping open: see there
 
     @property
     def view(self) -> torch.Tensor:

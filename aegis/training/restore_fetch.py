@@ -10,7 +10,6 @@ import functools
 import mmap
 import os
 import time
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -121,9 +120,7 @@ def _run_transfers(
                     # populated message by message (ready), while the previous one is sent
                     m = hostmem.map_file(f.fileno(), 0, write=False, populate=False)
                 opened.append(m)
-                with warnings.catch_warnings():  # read-only mapping: the transport only reads it
-                    warnings.simplefilter("ignore", UserWarning)
-                    whole = torch.frombuffer(m, dtype=torch.uint8)
+                whole = hostmem.tensor_of(m)  # read-only mapping: the transport only reads it
             except (OSError, ValueError):  # as many bytes, which the receiver's check rejects
                 whole = torch.zeros(rec.size, dtype=torch.uint8)
             for i in range(0, len(cut), 4):
@@ -153,9 +150,7 @@ def _run_transfers(
                     m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
                 try:
                     verify_chunks(m, rec.chunks, step=step, rank=s, where=f"node {src!r}", only=ids)
-                    with warnings.catch_warnings():  # read-only mapping, only read
-                        warnings.simplefilter("ignore", UserWarning)
-                        whole = torch.frombuffer(m, dtype=torch.uint8)
+                    whole = hostmem.tensor_of(m)  # read-only mapping, only read
                     view = memoryview(m)
                     pos = 0
                     for i, (a, b) in enumerate(spans):
@@ -192,9 +187,7 @@ def _run_transfers(
                     # faulted each page in as the transport read it)
                     m = hostmem.map_file(f.fileno(), 0, write=False, populate=ids is None)
                 opened.append(m)
-                with warnings.catch_warnings():  # read-only mapping: the transport only reads it
-                    warnings.simplefilter("ignore", UserWarning)
-                    whole = torch.frombuffer(m, dtype=torch.uint8)
+                whole = hostmem.tensor_of(m)  # read-only mapping: the transport only reads it
             except (OSError, ValueError):
                 # The receiver has posted its receives: send as many bytes, which its checks
                 # then reject, so it moves on to the next source instead of waiting out a timeout.
@@ -308,7 +301,7 @@ def _map_local(path: os.PathLike[str] | str) -> tuple[torch.Tensor | None, mmap.
             m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     except OSError:
         return None, None
-    return torch.frombuffer(m, dtype=torch.uint8), m
+    return hostmem.tensor_of(m), m
 
 
 def _fetch_durable(store: NodeStore, durable: ObjectStore | None, manifest: Manifest, s: int,
