@@ -23,6 +23,7 @@ import os
 import re
 import shutil
 import stat
+import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -518,11 +519,16 @@ class Slot:
         self._views: tuple[int, Any, list[torch.Tensor]] | None = None  # see item_views
         # the ShardLayout whose padding this slot's mapping holds as zeros (shard.zero_gaps)
         self.clean: Any = None
+        self._ensuring = threading.Lock()
 
     def ensure(self, nbytes: int, *, prefault: bool = True) -> None:
         """Map exactly ``nbytes``; with ``prefault`` the pages are allocated now, not on the
         first copy (without it the file stays sparse: only what is written takes memory)."""
-        cap = max(nbytes, 1)  # exactly: the file grows past it on every save, never shrinks into it
+        with self._ensuring:  # the engine's thread pre-faults a spare the next save may take
+            self._ensure(max(nbytes, 1), prefault)
+
+    def _ensure(self, cap: int, prefault: bool) -> None:
+        # exactly: the file grows past it on every save, never shrinks into it
         if cap == self.capacity and self._map is not None:
             return
         self.close_map(keep=False)
