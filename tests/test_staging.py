@@ -275,6 +275,27 @@ def test_the_next_saves_replica_slot_is_made_before_it(store_dir: Path) -> None:
 
 
 @pytest.mark.quick
+def test_a_replica_slot_stocked_after_the_pools_are_gone_is_dropped(tmp_path: Path) -> None:
+    """A replica slot the engine's thread is still making when the engine is aborted never
+    joins a pool (a later engine of the rank would adopt a file still being sized) and leaves
+    no file behind."""
+    import threading
+
+    from aegis.snapshot.slot_pools import SlotPools
+
+    ns = NodeStore(str(tmp_path), JOB)
+    ns.create()
+    pools = SlotPools(ns, 0, pins=False, lock=threading.RLock())
+    assert pools.stock_replicas([8192, 8192]) == 2
+    assert pools.stock_replicas([8192]) == 0  # the pool holds one of that size already
+    made = sorted(p.name for p in ns.free_slots(0, "replica"))
+    assert len(made) == 2 and all(n.startswith("replica-") for n in made), made
+    _, trashed = pools.trash_spares()
+    assert pools.stock_replicas([8192]) == 0
+    assert sorted(f for f in ns.slots_dir.iterdir()) == sorted(trashed)
+
+
+@pytest.mark.quick
 def test_trash_of_a_dead_process_is_removed_and_a_live_ones_kept(tmp_path: Path) -> None:
     import subprocess
     import sys

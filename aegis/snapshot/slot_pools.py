@@ -29,6 +29,12 @@ TRASH = "trash-"  # free slots an aborted engine renamed out of the pools, still
 _trashed = itertools.count()  # trash names unique within the process
 
 
+def _drop(slot: Slot) -> None:
+    slot.close()
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(slot.path)
+
+
 def remove_trash(store: NodeStore) -> int:
     """Unlink the trashed slot files (:meth:`SlotPools.trash_spares`) in ``store``'s slot
     directory of processes that no longer exist (a live one removes its own); returns how many."""
@@ -67,6 +73,7 @@ class SlotPools:
         self._replica: list[Slot] = [Slot(p, "replica") for p in store.free_slots(rank, "replica")]
         self._parity: list[Slot] = [Slot(p, "parity") for p in store.free_slots(rank, "parity")]
         self._next = 1 + max((int(p.path.name.rsplit(".", 1)[1]) for p in self.spares()), default=0)
+        self._done = False  # the spares were unlinked or trashed: nothing joins the pools now
         remove_trash(store)  # a process that died with trashed slots left to remove
 
     def adopt_kept(self) -> None:
@@ -130,17 +137,23 @@ class SlotPools:
                 missing.append(size)
         made = 0
         for size in missing:
-            slot = Slot(self.name("replica"), "replica")
+            # made under a trash name, which no pool lists (a later engine of this rank must not
+            # adopt a file still being sized), and removed with the trash if this process dies
+            slot = Slot(self.store.slots_dir / f"{TRASH}{os.getpid()}-{self.rank}.{next(_trashed)}",
+                        "replica")
             try:
                 slot.ensure(size)
             except StoreFullError:
-                slot.close()
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(slot.path)
+                _drop(slot)
                 break
             with self.lock:
-                self._replica.append(slot)
-            made += 1
+                if not self._done:
+                    slot.move(self.name("replica"))
+                    self._replica.append(slot)
+                    made += 1
+                    continue
+            _drop(slot)  # the engine was aborted or closed meanwhile: its pools are gone
+            break
         return made
 
     def take_parity(self) -> Slot:
@@ -168,6 +181,8 @@ class SlotPools:
     def unlink_spares(self, *, keep_own: bool = False) -> None:
         """Delete the free slots' files (``keep_own``: the own pool's files stay, with their
         mappings, for the next round's engine) and forget every spare."""
+        with self.lock:
+            self._done = True
         for slot in (self._replica + self._parity) if keep_own else self.spares():
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(slot.path)
@@ -182,6 +197,8 @@ class SlotPools:
         already gone (another rank's engine removed it) is closed, never unlinked: its old name
         may be a new slot's by then. Freeing a 1 GB tmpfs file's pages took 0.3-0.7 s of an
         in-process teardown here (1 GB per rank)."""
+        with self.lock:
+            self._done = True
         spares, paths = self.spares(), []
         for slot in spares:
             with contextlib.suppress(FileNotFoundError):
