@@ -150,9 +150,14 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, shape: dict[str,
         mgr.close()
         # the uploads' own account (encode seconds over the threads, requests, retries), to tell
         # the upload from what runs beside it (the peer replica: replicas=1 here)
+        mine = [e for e in _events(events) if e.get("job") == job]
         rec["uploads"] = [{k: e.get(k) for k in ("step", "seconds", "encode_s", "requests", "retries",
                                                  "raw_bytes", "stored_bytes", "chunks")}
-                          for e in _events(events) if e.get("event") == "upload" and e.get("job") == job]
+                          for e in mine if e.get("event") == "upload"]
+        # where each save's memory commit went (the first one plans and pre-faults)
+        rec["snapshots"] = [{k: e.get(k) for k in ("step", "blocking_ms", "plan_ms", "copy_ms",
+                                                   "background_ms", "replicate_ms", "commit_ms")}
+                            for e in mine if e.get("event") == "snapshot"]
         out["save"][f"aegis {job}"] = rec
     dcp_targets: dict[str, Any] = {"dcp dir": None}
     if s3kw is not None:
