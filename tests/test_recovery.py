@@ -156,6 +156,24 @@ def test_a_damaged_own_copy_found_while_streaming_is_loaded_again_from_a_peer(st
     assert all(s["source"] == "local" for r in (0, 2) for s in out[r]["sources"])
 
 
+def test_a_damaged_own_copy_beside_a_lost_node_is_fetched_again_and_named_once(store_dir: Path) -> None:
+    """A lost node (its rank's shard fetched from a peer) and, on an intact node, an own copy
+    with a damaged chunk (its size and index intact, so it passes the verdict and is found as
+    the load streams it): that shard is fetched from a replica and every byte loaded again;
+    the restore's notes name the damaged copy once, with one "(local copy)" (it was said twice,
+    the second time as "a (local copy): a (local copy): ...")."""
+    saved = run_ranks(3, _save, str(store_dir), ["a", "b", "c"], 2)[0]
+    lose(store_dir, "b")
+    flip_byte(store_dir / "a", 3, 0)  # a's own copy of rank 0's shard (c holds a replica)
+    out = run_ranks(3, _restore, str(store_dir), ["a", "d", "c"], 2)
+    assert [o["step"] for o in out] == [3, 3, 3]
+    assert_bitwise_equal(saved, out[0]["full"])
+    src = {s["shard"]: s for s in out[0]["sources"]}[0]
+    assert (src["source"], src["node"]) == ("peer", "c"), src
+    notes = [x for x in out[0]["skipped"] if "rank 0, chunk 0" in x]
+    assert len(notes) == 1 and notes[0].startswith("a (local copy): crc32c mismatch"), notes
+
+
 def test_no_intact_source_left_names_step_rank_and_what_was_tried(store_dir: Path) -> None:
     run_ranks(3, _save, str(store_dir), ["a", "b", "c"], 1)
     lose(store_dir, "a")

@@ -323,7 +323,7 @@ def restore_newest(
         t = lap("fetch_verify_s", t)
         if outcome.into_state:
             overwritten.append(step)
-        skipped.extend(outcome.rejected)
+        skipped.extend(x for x in outcome.rejected if x not in skipped)
         if outcome.failures:
             _close_maps(maps)
             skipped.extend(outcome.failures)
@@ -360,7 +360,7 @@ def restore_newest(
             # The state holds some unverified bytes now; the next pass fetches those shards from
             # another copy and loads every byte again (or moves on to an older step).
             for n, s, err in damaged:
-                distrust.setdefault(step, {})[(n, s)] = f"{n} (local copy): {err}"
+                distrust.setdefault(step, {})[(n, s)] = err  # the verdict adds "(local copy)"
                 skipped.append(f"{n} (local copy): {err}")
             continue
         break
