@@ -79,6 +79,7 @@ class FaultProxy:
                        "not_implemented": 0, "denied": 0, "cut": 0}
         self.cut_bodies = 0
         self.refused: dict[str, int] = {}  # operation -> 501s answered
+        self.body_hashes: list[str] = []  # each forwarded PUT's x-amz-content-sha256, in order
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -115,6 +116,8 @@ class FaultProxy:
                         fault = ("slowdown", "internal", "reset", "latency")[int(roll / proxy.rate * 4)]
                         proxy.counts[fault] += 1
                     proxy.counts["forwarded"] += fault in (None, "latency")
+                    if self.command == "PUT" and fault in (None, "latency"):
+                        proxy.body_hashes.append(self.headers.get("x-amz-content-sha256", ""))
                 if fault == "reset":
                     self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                     self.connection.close()

@@ -93,6 +93,32 @@ def test_probe_reports_what_the_endpoint_supports(reduced: tuple[S3Store, FaultP
     assert [o.key for o in store.list(".aegis/")] == []  # the probe object is gone
 
 
+@pytest.mark.parametrize("sign,unsupported,unsigned", [
+    (None, (), 2),  # the first response carries the CRC32C back: the next bodies go unsigned
+    (True, (), 0),  # sign_payload: every body signed, as botocore does over HTTP
+    (None, ("crc32c",), 0),  # no checksum taken: the signature is the body's only check
+], ids=["default", "sign_payload", "no-crc32c"])
+def test_checksummed_bodies_go_up_unsigned_once_the_endpoint_shows_it_takes_crc32c(
+        s3_server: str, s3_bucket: str, monkeypatch: pytest.MonkeyPatch, sign: bool | None,
+        unsupported: tuple[str, ...], unsigned: int) -> None:
+    """SigV4 over plain HTTP hashes every body byte with SHA-256; a body that carries its
+    CRC32C to an endpoint that takes it needs no second check (botocore skips the hash over
+    HTTPS for the same reason). The bytes read back are the bytes put, either way."""
+    from aegis.snapshot.shard import crc32c
+
+    with FaultProxy(s3_server, rate=0.0, unsupported=unsupported) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        store = open_store(f"s3://{s3_bucket}/sig", sign_payload=sign)
+        bodies = [os.urandom(1000 + i) for i in range(3)]
+        for i, body in enumerate(bodies):
+            store.put(f"k{i}", body, crc32c=crc32c(body))
+        assert [store.get(f"k{i}") for i in range(3)] == bodies
+        store.close()
+    assert len(proxy.body_hashes) == 3, proxy.body_hashes
+    assert proxy.body_hashes.count("UNSIGNED-PAYLOAD") == unsigned, proxy.body_hashes
+    assert all(len(h) == 64 for h in proxy.body_hashes[:3 - unsigned]), proxy.body_hashes
+
+
 @pytest.mark.quick
 def test_stale_uploads_are_aborted_from_markers_without_list_multipart_uploads(
         s3_server: str, s3_bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:
