@@ -165,8 +165,8 @@ class S3Store(ObjectStore):
         self.client = shared_client(endpoint_url, self._options)
         # Bodies with a CRC32C checksum the endpoint has shown it checks go up unsigned (see
         # _body_client); ``sign_payload`` signs every body, as botocore does over plain HTTP.
-        self.sign_payload = (os.environ.get("AEGIS_S3_SIGN_PAYLOAD", "") not in ("", "0")
-                             if sign_payload is None else sign_payload)
+        self.sign_payload = (os.environ.get("AEGIS_S3_SIGN_PAYLOAD", "").strip().lower()
+                             not in ("", "0", "false", "no") if sign_payload is None else sign_payload)
         self._crc_echoed = False  # a put's response carried back the CRC32C it was sent
         self._unsigned: Any = None
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="aegis-s3")
@@ -179,11 +179,13 @@ class S3Store(ObjectStore):
 
     def _body_client(self, crc32c: int | None) -> Any:
         """The client for a PutObject carrying ``crc32c``: once a response has carried back the
-        CRC32C it was sent (the endpoint checks and keeps it), a client that does not sign the
-        body (``UNSIGNED-PAYLOAD``): SigV4 over plain HTTP otherwise hashes every byte with
-        SHA-256 (1.4 GB/s here, a core's 0.7 s per GB uploaded) for an integrity the checksum
-        already gives. Over HTTPS botocore never signs a checksummed body; the headers, the
-        checksum among them, stay signed either way. Anything else: the signing client."""
+        CRC32C it was sent (the endpoint takes the header: S3 checks the body against it; moto
+        only echoes it), a client that does not sign the body (``UNSIGNED-PAYLOAD``): SigV4
+        over plain HTTP otherwise hashes every byte with SHA-256 (1.4 GB/s here, a core's 0.7 s
+        per GB uploaded) for an integrity the checksum gives, and every read checks again (the
+        manifest's crc32c of each stored chunk). Over HTTPS botocore never signs a checksummed
+        body; the headers, the checksum among them, stay signed either way. Anything else: the
+        signing client."""
         if crc32c is None or self.sign_payload or not self._crc_echoed:
             return self.client
         if self._unsigned is None:
