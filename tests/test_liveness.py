@@ -5,6 +5,7 @@ is not; a restarted server is found again; the link never shows up among a round
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -155,6 +156,67 @@ def test_before_any_round_nobody_is_declared_and_a_restarted_server_is_found_aga
         srv.close()
         if p.poll() is None:
             p.kill()
+
+
+def test_a_child_the_process_forked_does_not_hide_its_death(
+        service: tuple[Any, LivenessServer, int]) -> None:
+    """A child forked after the link connected (a DataLoader worker) shares none of it: the
+    process SIGKILLed while its child lives on is declared at once. Held in the process's own
+    file table, the connection was the child's too and stayed open until the child exited."""
+    c, srv, port = service
+    c.set("aegis/round/0/members", "{}")
+    p = _member(port, "node-1/0/5", then=textwrap.dedent("""
+        import os
+        child = os.fork()
+        if child == 0:
+            time.sleep(600)
+            os._exit(0)
+        print(child, flush=True)
+        time.sleep(600)
+    """).replace("\n", "\n        "))
+    assert p.stdout is not None
+    child = int(p.stdout.readline())
+    try:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        _wait_for(lambda: "node-1/0/5" in _dead(c, 0))
+        os.kill(child, 0)  # the child still lives
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
+
+
+@pytest.mark.quick
+def test_the_connection_is_held_in_a_file_table_of_its_own(
+        service: tuple[Any, LivenessServer, int]) -> None:
+    """The holder thread's table is its own: the connection is in that thread's table, not in
+    the process's (what /proc/<pid>/fd lists, and what a fork or an exec'd child inherits)."""
+    c, srv, _ = service
+    link = Link("me/0/3", "127.0.0.1", lambda: published_port(c))
+    try:
+        _wait_for(lambda: link.connected and "me/0/3" in srv.connected)
+        assert link.private is True
+        ours = {os.fstat(conn.fileno()).st_ino for conn in srv._conns}  # the server's ends
+
+        def sockets(d: str) -> set[int]:
+            out = set()
+            for fd in os.listdir(d):
+                with contextlib.suppress(OSError):
+                    t = os.readlink(f"{d}/{fd}")
+                    if t.startswith("socket:["):
+                        out.add(int(t[8:-1]))
+            return out
+
+        holder = link._holder.native_id
+        mine = sockets(f"/proc/self/task/{holder}/fd") - sockets("/proc/self/fd")
+        # its connection and its end of the control pair, nothing else of the process's
+        assert len(mine) == 2 and not (mine & ours)
+        assert len(sockets(f"/proc/self/task/{holder}/fd")) == 2
+    finally:
+        link.leave()
+    _wait_for(lambda: "me/0/3" not in srv.connected)
+    assert srv.declared == []
+    assert not link._holder.is_alive() and not link._thread.is_alive()
 
 
 @pytest.mark.quick

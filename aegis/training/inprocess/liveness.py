@@ -30,8 +30,14 @@ per beat. Without the service (a store hosted another way: no port key), nothing
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import fcntl
+import os
+import resource
+import select
 import selectors
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -46,6 +52,7 @@ _LINE_MAX = 4096
 # a link that cannot reach the service tries again after 1, 2, 4 ... s, at most this long apart
 # (a port that a firewall drops must not cost the store host a connect per process per second)
 MAX_RETRY_S = 30.0
+_CLONE_FILES = 0x00000400  # <linux/sched.h>
 
 
 def published_port(store: Any) -> int | None:
@@ -191,34 +198,194 @@ class LivenessServer:
 
 
 class Link:
-    """This process's connection to the store host's :class:`LivenessServer`, held from a
-    daemon thread: it connects (``hello <uid>``), waits for the connection to end, and
-    reconnects (after a store restart the new server publishes its port again, maybe another
-    one). ``port`` reads the key: None (no service) on the first look ends the thread; a read
-    that fails, or finds no key after a service was found (the store away or restarting), is
-    tried again every ``retry_s``: the links were back within a second or two of a restarted
-    store, where a backoff that grew over the outage left three processes of the chaos
-    campaign undeclared at a kill 10 s after two restarts; a published port that does not
-    answer is tried after 1, 2, 4 ... s (``MAX_RETRY_S`` at most).
-    :meth:`leave` says ``bye`` and closes."""
+    """This process's connection to the store host's :class:`LivenessServer`: it connects
+    (``hello <uid>``), waits for the connection to end, and reconnects (after a store restart
+    the new server publishes its port again, maybe another one). ``port`` reads the key: None
+    (no service) on the first look ends the thread; a read that fails, or finds no key after a
+    service was found (the store away or restarting), is tried again every ``retry_s``: the
+    links were back within a second or two of a restarted store, where a backoff that grew over
+    the outage left three processes of the chaos campaign undeclared at a kill 10 s after two
+    restarts; a published port that does not answer is tried after 1, 2, 4 ... s
+    (``MAX_RETRY_S`` at most). :meth:`leave` says ``bye`` and closes.
+
+    Two daemon threads. One (``aegis-liveness-link``) reads the port and decides; the other
+    (``aegis-liveness-hold``, :meth:`_hold`) holds the connection in a file table of its own
+    (``unshare(CLONE_FILES)``, Linux): a killed process frees its memory before it closes its
+    files (``exit_mm`` before ``exit_files``: 80 ms per GB touched here, 0.3 s for 4 GB, more
+    on a loaded machine), and its shared table is closed only by its last thread, after that;
+    a table of one thread is closed when that thread exits, which a SIGKILL makes it do at
+    once. A child forked by the process (a DataLoader worker) does not inherit the connection
+    either: before, it kept it open, and its parent's death unseen, until it exited too. The
+    holder thread's sockets sit near the top of the fd numbers, out of the range the process's
+    own table hands out (a finalizer of another thread's object run in this one closes a number
+    there: in this table, an unused one). Where a table of its own is refused, the holder keeps
+    the connection in the process's table, as before."""
 
     def __init__(self, uid: str, host: str, port: Callable[[], int | None], *,
-                 retry_s: float = 1.0) -> None:
+                 retry_s: float = 1.0, own_table: bool = True) -> None:
         self.uid = uid
+        self._own_table = own_table  # False: in the process's table (bench/liveness_kill.py)
         self.host = host
         self._port = port
         self.retry_s = retry_s
-        self._sock: socket.socket | None = None
-        self._lock = threading.Lock()
+        self._up = False
         self._stop = threading.Event()
         self.connects = 0
         self.failures = 0  # attempts that found no store or no service to connect to
+        self.private: bool | None = None  # the holder's table is its own (None: not known yet)
+        self._ctl, theirs = socket.socketpair()
+        _sockets.keep(self._ctl)  # never a round's to publish or cut
+        theirs_fd = theirs.detach()
+        self._ready = threading.Event()
+        self._holder = threading.Thread(target=self._hold, args=(theirs_fd,),
+                                        name="aegis-liveness-hold", daemon=True)
+        self._holder.start()
+        self._ready.wait()
+        if self.private:  # the holder has its copy: this table's is not needed
+            os.close(theirs_fd)
+        self._rfile = self._ctl.makefile("rb")
         self._thread = threading.Thread(target=self._run, name="aegis-liveness-link", daemon=True)
         self._thread.start()
 
     @property
     def connected(self) -> bool:
-        return self._sock is not None
+        return self._up
+
+    # -- the deciding thread (the process's file table) ---------------------------------------
+
+    def _ask(self, line: str) -> str:
+        """Send the holder one command; its one-line answer ("" when it is gone)."""
+        try:
+            self._ctl.sendall(line.encode() + b"\n")
+            return self._rfile.readline().decode().strip()
+        except (OSError, ValueError):
+            return ""
+
+    def _run(self) -> None:
+        found = False  # a service was found once: it is there again after a store restart
+        delay = self.retry_s
+        try:
+            while not self._stop.is_set():
+                try:
+                    port = self._port()
+                except Exception:  # noqa: BLE001 - the store away, or slow to answer: later
+                    port = -1
+                if port is None and not found:
+                    return  # no service at this job's store: nothing to hold
+                if port is None or port < 0:
+                    # the store away or restarting (its new server publishes the port once it
+                    # listens): again in retry_s, a read that fails at once while it is away
+                    self.failures += 1
+                    self._stop.wait(self.retry_s)
+                    continue
+                if not self._holder.is_alive():
+                    return
+                if self._stop.is_set() or self._ask(f"connect {port}") != "up":
+                    # a port published but not reachable (a firewall?): back off
+                    self.failures += 1
+                    self._stop.wait(delay)
+                    delay = min(MAX_RETRY_S, 2 * delay)
+                    continue
+                found, delay = True, self.retry_s
+                self._up = True
+                self.connects += 1
+                # the holder says "down" at the connection's end ("": it is gone)
+                with contextlib.suppress(OSError, ValueError):
+                    self._rfile.readline()
+                self._up = False
+                if not self._holder.is_alive():
+                    return
+                self._stop.wait(self.retry_s)
+        finally:
+            self._up = False
+            if not self._stop.is_set():  # ended without leave(): the holder ends too
+                with contextlib.suppress(OSError):
+                    self._ctl.sendall(b"close\n")
+
+    def leave(self, *, bye: bool = True) -> None:
+        """Close the connection: after ``bye`` on a clean exit (the server declares nobody),
+        without it when this process leaves the job on an error (declared at once, as if it
+        had died: its peers need not wait for its heartbeat to go silent)."""
+        self._stop.set()
+        with contextlib.suppress(OSError):
+            self._ctl.sendall(b"bye\n" if bye else b"close\n")
+        self._holder.join(timeout=5)  # it has said bye and closed (or was gone)
+        self._up = False
+        with contextlib.suppress(OSError):
+            self._ctl.shutdown(socket.SHUT_RDWR)  # the deciding thread's wait ends
+        self._thread.join(timeout=5)
+        with contextlib.suppress(OSError):
+            self._rfile.close()
+            self._ctl.close()
+
+    # -- the holding thread (a file table of its own) -----------------------------------------
+
+    def _hold(self, ctl_fd: int) -> None:
+        """Connect when told (``connect <port>``: answers ``up`` or ``fail``), say ``down`` when
+        the connection ends; ``bye`` or ``close`` (or the other end gone): leave and return."""
+        try:
+            self.private = self._own_table and _own_file_table()
+            if self.private:
+                # this table is a copy of the process's: its copies closed, or this thread
+                # would keep the process's files open until it exits
+                floor, top = _fd_range()
+                mine = fcntl.fcntl(ctl_fd, fcntl.F_DUPFD_CLOEXEC, floor)
+                os.closerange(3, mine)
+                os.closerange(mine + 1, top)
+                ctl_fd = mine
+            ctl = socket.socket(fileno=ctl_fd)
+        except OSError:
+            self.private = False
+            ctl = socket.socket(fileno=ctl_fd)
+        finally:
+            self._ready.set()
+        conn: socket.socket | None = None
+        buf = b""
+        try:
+            while True:
+                # poll(2), not select(2): these numbers are above FD_SETSIZE
+                waits = select.poll()
+                for s in (ctl,) if conn is None else (ctl, conn):
+                    waits.register(s, select.POLLIN)
+                ready = {fd for fd, _ in waits.poll()}
+                if conn is not None and conn.fileno() in ready:
+                    try:
+                        data = conn.recv(64)  # the server sends nothing: b"" at the end
+                    except OSError:
+                        data = b""
+                    if not data:
+                        with contextlib.suppress(OSError):
+                            conn.close()
+                        conn = None
+                        ctl.sendall(b"down\n")
+                        continue
+                if ctl.fileno() not in ready:
+                    continue
+                more = ctl.recv(256)
+                if not more:
+                    return  # the process side is gone
+                buf += more
+                while b"\n" in buf:
+                    line, buf = buf.split(b"\n", 1)
+                    cmd, _, arg = line.decode().partition(" ")
+                    if cmd == "connect":
+                        conn = self._open(int(arg))
+                        ctl.sendall(b"up\n" if conn is not None else b"fail\n")
+                    elif cmd in ("bye", "close"):
+                        if conn is not None and cmd == "bye":
+                            with contextlib.suppress(OSError):
+                                conn.sendall(b"bye\n")
+                        return
+        except OSError:
+            return
+        finally:
+            if conn is not None:
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_RDWR)
+                with contextlib.suppress(OSError):
+                    conn.close()
+            with contextlib.suppress(OSError):
+                ctl.close()
 
     def _open(self, port: int) -> socket.socket | None:
         try:
@@ -226,7 +393,10 @@ class Link:
         except OSError:
             return None
         try:
+            if self.private:
+                s = socket.socket(fileno=_lift(s.detach()))
             _sockets.keep(s)
+            s.settimeout(2.0)
             s.sendall(f"hello {self.uid}\n".encode())
             s.settimeout(None)
         except OSError:
@@ -234,57 +404,29 @@ class Link:
             return None
         return s
 
-    def _run(self) -> None:
-        found = False  # a service was found once: it is there again after a store restart
-        delay = self.retry_s
-        while not self._stop.is_set():
-            try:
-                port = self._port()
-            except Exception:  # noqa: BLE001 - the store away, or slow to answer: later
-                port = -1
-            if port is None and not found:
-                return  # no service at this job's store: nothing to hold
-            if port is None or port < 0:
-                # the store away or restarting (its new server publishes the port once it
-                # listens): again in retry_s, a read that fails at once while it is away
-                self.failures += 1
-                self._stop.wait(self.retry_s)
-                continue
-            s = self._open(port)
-            if s is None:  # a port published but not reachable (a firewall?): back off
-                self.failures += 1
-                self._stop.wait(delay)
-                delay = min(MAX_RETRY_S, 2 * delay)
-                continue
-            found, delay = True, self.retry_s
-            with self._lock:
-                if self._stop.is_set():
-                    s.close()
-                    return
-                self._sock = s
-                self.connects += 1
-            with contextlib.suppress(OSError):
-                while s.recv(64):  # the server sends nothing: returns at the connection's end
-                    pass
-            with self._lock:
-                if self._sock is s:
-                    self._sock = None
-            with contextlib.suppress(OSError):
-                s.close()
-            self._stop.wait(self.retry_s)
 
-    def leave(self, *, bye: bool = True) -> None:
-        """Close the connection: after ``bye`` on a clean exit (the server declares nobody),
-        without it when this process leaves the job on an error (declared at once, as if it
-        had died: its peers need not wait for its heartbeat to go silent)."""
-        self._stop.set()
-        with self._lock:
-            s, self._sock = self._sock, None
-        if s is not None:
-            if bye:
-                with contextlib.suppress(OSError):
-                    s.sendall(b"bye\n")
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
-            with contextlib.suppress(OSError):
-                s.close()
+def _own_file_table() -> bool:
+    """Give the calling thread a file table of its own (``unshare(CLONE_FILES)``): what it opens
+    from then on is closed the moment it exits. False where that is refused or not Linux."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return bool(libc.unshare(_CLONE_FILES) == 0)
+    except (OSError, AttributeError):
+        return False
+
+
+def _fd_range() -> tuple[int, int]:
+    """Where the holder's numbers go: the top 16 below the soft limit (at most 65,536), far
+    above what the process's table hands out first (its lowest free number)."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    top = 65536 if soft == resource.RLIM_INFINITY or soft > 65536 else soft
+    return max(3, top - 16), top
+
+
+def _lift(fd: int) -> int:
+    """``fd`` moved to the holder's range of its (own) table."""
+    new = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, _fd_range()[0])
+    os.close(fd)
+    return new
