@@ -26,9 +26,9 @@ def _mgr(root: str, node: str, model, opt, sched, **kw):  # type: ignore[no-unty
                    store_dir=f"{root}/{node}", verbose=False, **kw)
 
 
-def _save(rank: int, world: int, root: str, nodes: list[str], replicas: int) -> Any:
+def _save(rank: int, world: int, root: str, nodes: list[str], replicas: int, keep: int = 1) -> Any:
     model, opt, sched = build(world)
-    mgr = _mgr(root, nodes[rank], model, opt, sched, replicas=replicas)
+    mgr = _mgr(root, nodes[rank], model, opt, sched, replicas=replicas, keep=keep)
     for step in range(1, 4):
         train_step(model, opt, sched, step, rank)
         mgr.save(step)
@@ -116,6 +116,37 @@ def test_a_rejected_local_copy_is_removed_once_the_shard_came_from_elsewhere(sto
     assert (src["source"], src["node"]) == ("peer", "b"), src
     assert any("a (local copy)" in x and "1000 bytes" in x for x in out[0]["skipped"]), out[0]["skipped"]
     assert not path.exists()
+
+
+def _restore_and_list(rank: int, world: int, root: str, nodes: list[str]) -> Any:
+    """Restore; this node's step directories right after it, then what its store directory
+    holds once the Manager is closed."""
+    model, opt, sched = build(world, seed=99)
+    mgr = _mgr(root, nodes[rank], model, opt, sched, replicas=1, keep=2)
+    step = mgr.restore()
+    after = [i.step for i in NodeStore(Path(root) / nodes[rank], JOB).steps()]
+    mgr.close()
+    return step, after, sorted(os.listdir(Path(root) / nodes[rank] / JOB))
+
+
+def test_steps_a_restore_drops_are_deleted_after_it_and_a_dead_processs_leftovers_too(
+        store_dir: Path) -> None:
+    """The steps a restore drops (here step 3, uncommitted on every node) leave the inventory at
+    once and are deleted on a thread (the restore no longer waits for the pages to be freed):
+    gone once the Manager is closed. A directory a process lost mid-deletion left behind (a
+    dead pid's ``.removed-...``) is deleted by the next restore."""
+    run_ranks(2, _save, str(store_dir), ["a", "b"], 1, 2)
+    for node in ("a", "b"):
+        NodeStore(store_dir / node, JOB).uncommit(3)
+    stale = store_dir / "a" / JOB / ".removed-step-00000001-999999999-0"
+    stale.mkdir()
+    (stale / "rank-00000.shard").write_bytes(b"x" * 4096)
+    out = run_ranks(2, _restore_and_list, str(store_dir), ["a", "b"])
+    assert [o[0] for o in out] == [2, 2]
+    for step, after, listed in out:
+        assert after == [2], after
+        assert not [n for n in listed if n.startswith((".removed-", "step-00000003"))], listed
+    assert not stale.exists()
 
 
 def test_shrink_to_the_surviving_node(store_dir: Path) -> None:

@@ -58,7 +58,7 @@ from aegis.snapshot.manifest import (
     TensorEntry,
 )
 from aegis.snapshot.node_manifest import Layout, StepManifest, shards_digest
-from aegis.snapshot.node_store import NodeStore, Slot, is_store_full
+from aegis.snapshot.node_store import NodeStore, Slot, await_removals, is_store_full
 from aegis.snapshot.redundancy import Protected, Scheme, build, shard_summary
 from aegis.snapshot.shard import FOOTER_SIZE, ShardLayout, decode_footer, plan_layout
 from aegis.snapshot.slot_pools import SlotPools
@@ -93,7 +93,8 @@ def _release_later(slots: list[Slot], paths: list[Path]) -> None:
 
 
 def await_releases() -> None:
-    """Wait until every slot release started before this call is done."""
+    """Wait until every slot release (and step deletion) started before this call is done."""
+    await_removals()
     with _releases_lock:
         pending = list(_releases)
     for t in pending:

@@ -142,6 +142,7 @@ class Manager:
         durable_min_gain: float = 0.25,
         durable_max_pending: int = 2,
     ) -> None:
+        t_init = time.perf_counter()
         extra: dict[str, Any] = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
         if staging is not None:
             extra["staging"] = staging
@@ -174,6 +175,7 @@ class Manager:
         # in an in-process round, a rank lost while these groups are made ends their creation at
         # run_in_process' create_timeout, not at this Manager's timeout
         create = inprocess.Round.create_timeout if inprocess.in_process_round() else None
+        t_groups = time.perf_counter()
         self.group = Group(new_snapshot_group(self.config.timeout, create))
         if self.durable_store is not None:
             # Checked before anything else, on every rank together: a missing bucket or missing
@@ -183,6 +185,7 @@ class Manager:
         # small commit collectives.
         self.transport = GlooTransport(new_snapshot_group(self.config.timeout, create),
                                        self.config.timeout)
+        groups_s = time.perf_counter() - t_groups
         self.rank = self.group.rank
         self.world = self.group.world
         self.store = NodeStore(self.config.store_root, self.config.job)
@@ -265,7 +268,8 @@ class Manager:
                          replicas=self.engine.placement.effective_replicas,
                          replica_targets=self.engine.targets, redundancy=self.engine.scheme,
                          parity_group=list(self.engine.group_of),
-                         parity=self.engine.parity if self.engine.groups else None)
+                         parity=self.engine.parity if self.engine.groups else None,
+                         init_s=time.perf_counter() - t_init, groups_s=groups_s)
         if self.engine.degraded:
             self.events.warn(f"{self.engine.degraded}: this world keeps one whole replica of each "
                              "shard instead (parity again once the world is even)")

@@ -689,10 +689,11 @@ def _cleanup(store: NodeStore, is_leader: bool, *, keep_step: int | None, bad: s
     (uncommitted, incomplete or corrupt), uncommitted leftovers, and corrupt steps."""
     if not is_leader:
         return
+    store.sweep_removed()
     for info in store.steps():
         newer = keep_step is not None and info.step > keep_step
         if (bad and info.step in bad) or not info.committed or newer:
-            store.remove_step(info.step)
+            store.remove_step(info.step, later=True)  # the pages freed after the restore
         else:
             for f in store.step_dir(info.step).glob(".partial-*"):
                 f.unlink(missing_ok=True)

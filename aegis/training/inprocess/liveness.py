@@ -1,15 +1,17 @@
 """A process's death seen the moment its connection closes: the store host's liveness service.
 
 A process that crashes, is OOM-killed or SIGKILLed closes its sockets as it dies: its kernel
-sends the FIN (or RST) at once. A heartbeat cannot tell that apart from a slow beat until
-``dead_after_s`` has passed (1 s by default: a killed node cost every survivor that second
-before the next round could form; issue 25). So the process that hosts the membership store
-(``aegis store serve``) also listens on a second port (:class:`LivenessServer`, its port under
-``aegis/liveness/port``), and every process of an in-process job holds one TCP connection to it
-for its whole life (:class:`Link`: ``hello <uid>`` when it connects, ``bye`` when
-``run_in_process`` returns). A connection that ends without ``bye`` is a process gone: the
-server names it in the death log of the job's newest round (:func:`~.membership.declare`, as a
-watcher would), and the round's proposer and every member read that log as they already do.
+sends the FIN (or RST) then, once the process's memory is freed. A heartbeat cannot tell that
+apart from a slow beat until ``dead_after_s`` has passed (1 s by default: a killed node cost
+every survivor that second before the next round could form; issue 25). So the process that
+hosts the membership store (``aegis store serve``) also listens on a second port
+(:class:`LivenessServer`, its port under ``aegis/liveness/port``), and every process of an
+in-process job holds one TCP connection to it for its whole life (:class:`Link`: ``hello <uid>``
+when it connects, ``bye`` when ``run_in_process`` returns), held by a thread with a file table
+of its own, so that it closes as that thread dies, before the dead process's memory is freed
+(see :class:`Link`). A connection that ends without ``bye`` is a process gone: the server names
+it in the death log of the job's newest round (:func:`~.membership.declare`, as a watcher
+would), and the round's proposer and every member read that log as they already do.
 
 What it does not see, and the heartbeats still do: a machine that stops without closing
 anything (power, kernel panic, a cut link: no FIN ever comes), a frozen process (its
@@ -219,7 +221,8 @@ class Link:
     holder thread's sockets sit near the top of the fd numbers, out of the range the process's
     own table hands out (a finalizer of another thread's object run in this one closes a number
     there: in this table, an unused one). Where a table of its own is refused, the holder keeps
-    the connection in the process's table, as before."""
+    the connection in the process's table, as before. Costs: a thread and a socket pair per
+    process, nothing that grows with the world size."""
 
     def __init__(self, uid: str, host: str, port: Callable[[], int | None], *,
                  retry_s: float = 1.0, own_table: bool = True) -> None:

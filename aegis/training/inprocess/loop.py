@@ -565,12 +565,14 @@ def run_in_process(
                 pg_store = _connect_within(create_timeout)
                 ab.rendezvous(_sockets.connected_to(
                     store_address()[1], set(_sockets.my_sockets()) - set(before)))
+                t_conn = time.perf_counter()
                 # the members arrive together (a loss before then: its fence cuts this wait),
                 # then create the group under a timeout that bounds its creation by
                 # create_timeout even when a member dies between publishing its address and
                 # connecting (gloo waits 5x the timeout for a pair's first connection, and no
                 # fence can end that wait), then give it collective_timeout for its collectives
                 _dist.arrive(pg_store, f"aegis/round/{r}/arrived", len(members), create_timeout)
+                t_arrived = time.perf_counter()
                 dist.init_process_group(
                     backend, store=dist.PrefixStore(f"aegis/round/{r}/pg", pg_store), rank=rank,
                     world_size=len(members),
@@ -593,8 +595,9 @@ def run_in_process(
             Round.create_timeout = create_timeout
             Round.collective_timeout = collective_timeout
             t2 = time.perf_counter()
-            if restarts:
-                timings.update(agree_s=t1 - t0, regroup_s=t2 - t1)
+            if restarts:  # regroup_s: connect_s + arrive_s + init_pg_s (and the rest)
+                timings.update(agree_s=t1 - t0, regroup_s=t2 - t1, connect_s=t_conn - t1,
+                               arrive_s=t_arrived - t_conn, init_pg_s=t2 - t_arrived)
             world = World(rank=rank, size=len(members), round=r, node=node, members=members,
                           restarts=restarts, timings=dict(timings), failed_at=failed_at,
                           cause=cause)
