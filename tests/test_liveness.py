@@ -186,6 +186,29 @@ def test_a_child_the_process_forked_does_not_hide_its_death(
             os.kill(child, signal.SIGKILL)
 
 
+def test_the_others_are_told_of_a_declared_death_at_once(
+        service: tuple[Any, LivenessServer, int]) -> None:
+    """A declaration is pushed to every other linked process (``dead``): its ``on_death`` is
+    called (the in-process loop pokes its heartbeat thread, which reads the death log now,
+    not at its next beat); the process told stays linked and is not declared."""
+    c, srv, port = service
+    c.set("aegis/round/0/members", "{}")
+    told = _member(port, "node-2/0/8", then=textwrap.dedent("""
+        link.on_death = lambda: print("told", flush=True)
+        time.sleep(600)
+    """).replace("\n", "\n        "))
+    victim = _member(port, "node-1/0/9")
+    try:
+        victim.send_signal(signal.SIGKILL)
+        victim.wait()
+        assert told.stdout is not None and told.stdout.readline().strip() == "told"
+        assert _dead(c, 0) == ["node-1/0/9"]
+        assert "node-2/0/8" in srv.connected
+    finally:
+        told.kill()
+        told.wait()
+
+
 @pytest.mark.quick
 def test_the_connection_is_held_in_a_file_table_of_its_own(
         service: tuple[Any, LivenessServer, int]) -> None:

@@ -172,6 +172,7 @@ class Heartbeat:
         # absent key would wait for the client's timeout)
         self._store.add(self.key, 1)
         self._stop = threading.Event()
+        self._wake = threading.Event()  # stop() or poke(): the thread looks now
         self._lock = threading.Lock()
         self._epoch = 0  # bumped when the followed round changes: a beat's log reading is dropped
         self._ring: list[str] = []  # successors on the followed round's ring: declared here
@@ -575,10 +576,17 @@ class Heartbeat:
             deadline = self._deadline()
             if deadline is not None and now < deadline < due:
                 wake = deadline + 1e-3
-            self._stop.wait(max(0.0, wake - now))
+            self._wake.wait(max(0.0, wake - now))
+            self._wake.clear()
+
+    def poke(self) -> None:
+        """Look now, not at the next beat (the liveness service says a process died: its
+        name is in the round's death log, and the thread fences it off at this look)."""
+        self._wake.set()
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
         if self._relay is not None:

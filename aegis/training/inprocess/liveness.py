@@ -87,6 +87,7 @@ class LivenessServer:
         self.declared: list[tuple[str, int, float]] = []  # (uid, round, time.time())
         self.connected: dict[str, float] = {}  # uid -> when it said hello (live connections)
         self._live: dict[str, int] = {}  # uid -> its open connections (O(1) per drop)
+        self._tell = False  # someone was declared: tell the others (_tell_all)
         self._thread = threading.Thread(target=self._run, name="aegis-liveness", daemon=True)
         self._thread.start()
 
@@ -112,6 +113,19 @@ class LivenessServer:
                     self._accept()
                 else:
                     self._read(key.fileobj)  # type: ignore[arg-type]
+            if self._tell:
+                self._tell_all()
+
+    def _tell_all(self) -> None:
+        """``dead`` to every other process linked (once per pass of the loop, however many
+        were declared in it): its heartbeat thread reads the death log now, not at its next
+        beat (up to ``heartbeat_s`` later), and fences the dead off. A link whose buffer is
+        full is skipped: its next beat reads the log anyway."""
+        self._tell = False
+        for conn, state in list(self._conns.items()):
+            if state["uid"] is not None and not state["bye"]:
+                with contextlib.suppress(OSError):
+                    conn.send(b"dead\n")
 
     def _accept(self) -> None:
         while True:
@@ -189,6 +203,7 @@ class LivenessServer:
                 self._store.append(_rk(r, "dead"), f"{uid}\n")
                 self._round = r
                 self.declared.append((uid, r, time.time()))
+                self._tell = True
                 self._say(f"{uid} closed its connection without leaving: declared dead in "
                           f"round {r}")
                 return
@@ -236,6 +251,8 @@ class Link:
         self.connects = 0
         self.failures = 0  # attempts that found no store or no service to connect to
         self.private: bool | None = None  # the holder's table is its own (None: not known yet)
+        # called (from the link's thread) when the service says a process was declared dead
+        self.on_death: Callable[[], None] | None = None
         self._ctl, theirs = socket.socketpair()
         _sockets.keep(self._ctl)  # never a round's to publish or cut
         theirs_fd = theirs.detach()
@@ -260,6 +277,12 @@ class Link:
         """Send the holder one command; its one-line answer ("" when it is gone)."""
         try:
             self._ctl.sendall(line.encode() + b"\n")
+            return self._rfile.readline().decode().strip()
+        except (OSError, ValueError):
+            return ""
+
+    def _next_line(self) -> str:
+        try:
             return self._rfile.readline().decode().strip()
         except (OSError, ValueError):
             return ""
@@ -292,9 +315,12 @@ class Link:
                 found, delay = True, self.retry_s
                 self._up = True
                 self.connects += 1
-                # the holder says "down" at the connection's end ("": it is gone)
-                with contextlib.suppress(OSError, ValueError):
-                    self._rfile.readline()
+                # the holder says "dead" when the service does, "down" at the connection's end
+                # ("": it is gone)
+                while self._next_line() == "dead":
+                    if self.on_death is not None:
+                        with contextlib.suppress(Exception):
+                            self.on_death()
                 self._up = False
                 if not self._holder.is_alive():
                     return
@@ -362,6 +388,8 @@ class Link:
                         conn = None
                         ctl.sendall(b"down\n")
                         continue
+                    if b"dead" in data:  # (a line split over two reads: the next beat reads it)
+                        ctl.sendall(b"dead\n")
                 if ctl.fileno() not in ready:
                     continue
                 more = ctl.recv(256)

@@ -488,6 +488,7 @@ def run_in_process(
                    creating=lambda: Round.creating, store=hb_store,
                    on_restart=lambda st: reseed(st, Round.r, list(Round.members), Round.admitted,
                                                 uid), also=(JOIN_COUNT,), relay=relay)
+    link.on_death = hb.poke  # a death the liveness service declared: read the log now
     Round.joiners = lambda: hb.readings.get(JOIN_COUNT, 0)
     Round.max_world = max_world
     Round.per_node = per_node
