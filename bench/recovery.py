@@ -4,8 +4,10 @@
 The reference trainer (``examples/train_fsdp.py``, a TinyGPT whose fp32 params + AdamW moments
 are ``--state-mb`` x ``--size`` MB) runs on ``--nodes`` simulated nodes
 (``aegis.sim.cluster.SimCluster``: one torchrun agent per node, 1 rank each). Once step
-``--kill-after`` is logged, ``node-1`` is SIGKILLed (agent + workers, node store deleted) and a
-replacement node joins. The same model, data, kill and replacement, for each arm:
+``--kill-after`` is logged, ``node-1`` is SIGKILLed (agent + workers, node store deleted: in the
+in-process arms once the survivors train again, its pages freed off their recovery as on a
+cluster, where they are freed on the dead machine) and a replacement node joins. The same
+model, data, kill and replacement, for each arm:
 
 ================  ================================================================================
 aegis-memory      snapshot every step, 1 replica on another node: restore from peer memory
@@ -377,7 +379,10 @@ def run_arm(arm: str, args: argparse.Namespace, spec: str, work: Path, extra: li
             t_kill = time.time()
             net.cut(cluster.nodes[victim].index)
         else:
-            t_kill = cluster.kill_node(victim)
+            # in place, the dead node's store is deleted once the survivors train again (below):
+            # on a cluster its pages are freed on the dead machine; here that would take the
+            # survivors' two cores in the middle of their recovery
+            t_kill = cluster.kill_node(victim, delete_store=arm not in INPROCESS)
         t_replace: float | None = None
         if arm in INPROCESS:
             # shrink at once; once the survivors train again, a replacement (its own torchrun
@@ -390,6 +395,8 @@ def run_arm(arm: str, args: argparse.Namespace, spec: str, work: Path, extra: li
                     raise RuntimeError(f"{arm}: the survivors never trained again; see {work}")
                 time.sleep(0.02)
             t_replace = time.time()
+            if fault not in ("freeze", "partition"):
+                cluster.drop_store(victim)  # (deleted at the kill in the other arms)
             if fault == "freeze":
                 cluster.cont_node(stopped)
                 replacement = victim

@@ -291,6 +291,10 @@ class SimCluster:
         wait_gone([pid], timeout=10)
         return t, pid
 
+    def drop_store(self, node_id: str) -> None:
+        """Delete a (killed) node's store now (``kill_node(delete_store=False)`` left it)."""
+        self._drop_store(self.nodes[node_id])
+
     def _drop_store(self, node: SimNode) -> None:
         shutil.rmtree(node.store_dir, ignore_errors=True)
         if self.store_tmpfs_bytes:
