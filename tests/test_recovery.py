@@ -143,7 +143,7 @@ def test_steps_a_restore_drops_are_deleted_after_it_and_a_dead_processs_leftover
     (stale / "rank-00000.shard").write_bytes(b"x" * 4096)
     out = run_ranks(2, _restore_and_list, str(store_dir), ["a", "b"])
     assert [o[0] for o in out] == [2, 2]
-    for step, after, listed in out:
+    for _step, after, listed in out:
         assert after == [2], after
         assert not [n for n in listed if n.startswith((".removed-", "step-00000003"))], listed
     assert not stale.exists()
