@@ -566,6 +566,7 @@ class Heartbeat:
         less a beat: none while every member beats."""
         due = time.monotonic()
         while not self._stop.is_set():
+            self._wake.clear()  # (a poke during this look: the wait below returns at once)
             self.tick()
             now = time.monotonic()
             if now >= due - 1e-3:  # the regular beat (not an extra look): the next one
@@ -577,7 +578,6 @@ class Heartbeat:
             if deadline is not None and now < deadline < due:
                 wake = deadline + 1e-3
             self._wake.wait(max(0.0, wake - now))
-            self._wake.clear()
 
     def poke(self) -> None:
         """Look now, not at the next beat (the liveness service says a process died: its
