@@ -25,8 +25,9 @@ the clients reconnect within about a second.
 
 Costs against the world size W: one connection per process on the store host (the store
 itself has two or three per process), one line per process when it connects, one store
-request (``append``, after the rounds are found) per process lost; nothing per step, nothing
-per beat. Without the service (a store hosted another way: no port key), nothing changes.
+request (``append``, after the rounds are found) per process lost, and a ``dead`` line to every
+linked process per pass of the server's loop that declared anyone (O(W) sends); nothing per
+step, nothing per beat. Without the service (a store hosted another way: no port key), nothing changes.
 """
 
 from __future__ import annotations
@@ -379,7 +380,7 @@ class Link:
                 ready = {fd for fd, _ in waits.poll()}
                 if conn is not None and conn.fileno() in ready:
                     try:
-                        data = conn.recv(64)  # the server sends nothing: b"" at the end
+                        data = conn.recv(64)  # "dead" lines from the server; b"" at the end
                     except OSError:
                         data = b""
                     if not data:
