@@ -199,8 +199,8 @@ def test_slot_mappings_outlive_a_manager_in_the_same_process(store_dir: Path) ->
 
 
 def _freed_after_abort(rank: int, world: int, store: str) -> dict[str, Any]:
-    from aegis.snapshot import engine
-    from aegis.snapshot.engine import await_releases
+    from aegis.snapshot import node_store
+    from aegis.snapshot.node_store import await_frees
 
     model, opt, sched, mgr = _saved_twice(rank, world, store, "sync")
     slots = NodeStore(store, JOB).slots_dir
@@ -214,8 +214,8 @@ def _freed_after_abort(rank: int, world: int, store: str) -> dict[str, Any]:
     mgr.abort(begin=False)
     # at once: no spare left in any pool (renamed out, its pages freed on a thread)
     pooled = [n for n in mine() if not n.startswith("trash-")]
-    handed = len(engine._releases)  # the freeing was handed to a thread, not done in abort
-    await_releases()
+    handed = len(node_store._frees)  # the freeing was handed to a thread, not done in abort
+    await_frees()
     left = mine()
     mgr2 = _mgr(store, model, opt, sched, "sync")
     restored = mgr2.restore()

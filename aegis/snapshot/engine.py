@@ -58,7 +58,7 @@ from aegis.snapshot.manifest import (
     TensorEntry,
 )
 from aegis.snapshot.node_manifest import Layout, StepManifest, shards_digest
-from aegis.snapshot.node_store import NodeStore, Slot, await_removals, is_store_full
+from aegis.snapshot.node_store import NodeStore, Slot, await_frees, free_later, is_store_full
 from aegis.snapshot.redundancy import Protected, Scheme, build, shard_summary
 from aegis.snapshot.shard import FOOTER_SIZE, ShardLayout, decode_footer, plan_layout
 from aegis.snapshot.slot_pools import SlotPools
@@ -70,14 +70,10 @@ __all__ = ["SnapshotEngine", "SnapshotHandle", "SnapshotResult", "format_bytes"]
 _TAIL_ALLOWANCE = 1 << 20  # bytes region + index, estimated for the free-space check
 
 
-# Slot releases an aborted engine left to threads (in-process recovery): every engine of the
-# process waits for them before it counts the store's free bytes, and at its close.
-_releases: list[threading.Thread] = []
-_releases_lock = threading.Lock()
-
-
 def _release_later(slots: list[Slot], paths: list[Path]) -> None:
-    """Close ``slots`` (unmap) and unlink ``paths`` on a daemon thread."""
+    """Close ``slots`` (unmap) and unlink ``paths`` on a daemon thread (``await_frees`` waits
+    for it: every engine of the process before it counts the store's free bytes, and at its
+    close)."""
     def run() -> None:
         for slot in slots:
             with contextlib.suppress(Exception):
@@ -86,21 +82,7 @@ def _release_later(slots: list[Slot], paths: list[Path]) -> None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
 
-    t = threading.Thread(target=run, name="aegis-slot-release", daemon=True)
-    with _releases_lock:
-        _releases.append(t)
-    t.start()
-
-
-def await_releases() -> None:
-    """Wait until every slot release (and step deletion) started before this call is done."""
-    await_removals()
-    with _releases_lock:
-        pending = list(_releases)
-    for t in pending:
-        t.join()
-    with _releases_lock:
-        _releases[:] = [t for t in _releases if t not in pending]
+    free_later(run, "aegis-slot-release")
 
 
 def format_bytes(n: float) -> str:
@@ -405,7 +387,7 @@ class SnapshotEngine:
         finally:
             self._closed = True
             self._executor.shutdown(wait=True)
-            await_releases()
+            await_frees()
             for slot in self.slots.spares():
                 slot.close(keep=False)
             self.slots.unlink_spares()
@@ -539,7 +521,7 @@ class SnapshotEngine:
 
     def _check_capacity(self, layout: ShardLayout) -> None:
         """Fail before the first save if this node's store cannot hold keep + 1 snapshots."""
-        await_releases()  # an aborted engine's slots still being freed would count as used
+        await_frees()  # an aborted engine's slots still being freed would count as used
         per_shard = layout.tensor_end + _TAIL_ALLOWANCE
         # own shard + the replicas this rank receives, for keep + 1 snapshots
         copies = self.redundancy.copies_per_shard()

@@ -25,7 +25,7 @@ import re
 import shutil
 import stat
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,32 +59,38 @@ from aegis.snapshot.shard import (
 )
 
 __all__ = ["NodeStore", "Slot", "StepInfo", "PartialManifestError", "default_store_root", "is_store_full",
-           "await_removals"]
+           "await_frees", "free_later"]
 
-# Step directories deleted on daemon threads (NodeStore.remove_step(later=True)): renamed to
-# this prefix first, so no inventory sees them; await_removals() waits for the deletions.
+# Pages freed on daemon threads (freeing 1 GB of tmpfs takes ~0.1 s here, off the recovery's
+# path): a restore's dropped steps (NodeStore.remove_step(later=True), renamed first to this
+# prefix so no inventory sees them) and an aborted engine's slots (engine.abort). await_frees()
+# waits for them: a snapshot's free-space check and an engine's close.
 _REMOVED = ".removed-"
-_removals: list[threading.Thread] = []
-_removals_lock = threading.Lock()
+_frees: list[threading.Thread] = []
+_frees_lock = threading.Lock()
 _removal_ids = itertools.count()
 
 
-def _remove_later(path: Path) -> None:
-    t = threading.Thread(target=shutil.rmtree, args=(path,), kwargs={"ignore_errors": True},
-                         name="aegis-step-removal", daemon=True)
-    with _removals_lock:
-        _removals.append(t)
+def free_later(fn: Callable[[], object], name: str) -> None:
+    """Run ``fn`` (a deletion, an unmap) on a daemon thread :func:`await_frees` waits for."""
+    t = threading.Thread(target=fn, name=name, daemon=True)
+    with _frees_lock:
+        _frees.append(t)
     t.start()
 
 
-def await_removals() -> None:
-    """Wait until every deletion of :meth:`NodeStore.remove_step` started before this call is done."""
-    with _removals_lock:
-        pending = list(_removals)
+def await_frees() -> None:
+    """Wait until every :func:`free_later` started before this call is done."""
+    with _frees_lock:
+        pending = list(_frees)
     for t in pending:
         t.join()
-    with _removals_lock:
-        _removals[:] = [t for t in _removals if t not in pending]
+    with _frees_lock:
+        _frees[:] = [t for t in _frees if t not in pending]
+
+
+def _remove_later(path: Path) -> None:
+    free_later(lambda: shutil.rmtree(path, ignore_errors=True), "aegis-step-removal")
 
 # Names this module wrote itself and nothing else: ASCII digits only (``\d`` would take any
 # Unicode digit, "step-٠٠٠٠٠٠٠٧" too), matched in full (``$`` would allow a trailing newline).
@@ -355,7 +361,7 @@ class NodeStore:
     def remove_step(self, step: int, *, later: bool = False) -> None:
         """Uncommit ``step``, then delete its directory. ``later``: the directory is renamed out
         of the inventory (``.removed-...``: no step's name) and deleted on a daemon thread that
-        :func:`await_removals` waits for (a restore's cleanup: freeing 1 GB of tmpfs pages
+        :func:`await_frees` waits for (a restore's cleanup: freeing 1 GB of tmpfs pages
         takes ~0.1 s here, which the restore no longer waits for; a snapshot's free-space
         check waits for it)."""
         self.uncommit(step)
