@@ -215,27 +215,33 @@ def _freed_after_abort(rank: int, world: int, store: str) -> dict[str, Any]:
     # at once: no spare left in any pool (renamed out, its pages freed on a thread)
     pooled = [n for n in mine() if not n.startswith("trash-")]
     handed = len(node_store._frees)  # the freeing was handed to a thread, not done in abort
-    await_frees()
-    left = mine()
+    # which waits for the next restore (the next round's rebuild and restore keep the cores)
+    deferred = len(node_store._deferred)
+    trashed = [n for n in mine() if n.startswith("trash-")]
     mgr2 = _mgr(store, model, opt, sched, "sync")
     restored = mgr2.restore()
+    started = len(node_store._deferred)
+    await_frees()
+    left = [n for n in mine() if n.startswith("trash-")]
     for step in (3, 4):
         train_step(model, opt, sched, step, rank)
         mgr2.save(step)
     mgr2.close()
     return {"before": before, "pooled": pooled, "left": left, "restored": restored,
-            "handed": handed}
+            "handed": handed, "deferred": deferred, "trashed": trashed, "started": started}
 
 
 def test_an_aborted_engine_frees_its_spare_slots_off_the_teardown(store_dir: Path) -> None:
     """A teardown renames the aborted engine's spare slot files out of the pools and frees them
-    on a thread (their pages took most of a 1 GB-per-rank teardown): none is left in a pool
-    when abort returns, none at all once the releases are done, and the next Manager of the
+    on a thread (their pages took most of a 1 GB-per-rank teardown) that starts once the next
+    restore is done: none is left in a pool when abort returns, the files wait (renamed) until
+    that restore, none is left once the releases are done, and the next Manager of the
     process restores and saves as before."""
     for r in run_ranks(2, _freed_after_abort, str(store_dir)):
         assert r["before"], r  # there were spares to free
         assert r["pooled"] == [] and r["left"] == [], r
         assert r["handed"] >= 1 and r["restored"] == 2, r
+        assert r["deferred"] >= 1 and r["trashed"] and r["started"] == 0, r
 
 
 def _replica_slots_stocked(rank: int, world: int, store: str) -> dict[str, Any]:

@@ -71,9 +71,11 @@ _TAIL_ALLOWANCE = 1 << 20  # bytes region + index, estimated for the free-space 
 
 
 def _release_later(slots: list[Slot], paths: list[Path]) -> None:
-    """Close ``slots`` (unmap) and unlink ``paths`` on a daemon thread (``await_frees`` waits
-    for it: every engine of the process before it counts the store's free bytes, and at its
-    close)."""
+    """Close ``slots`` (unmap) and unlink ``paths`` on a daemon thread, started once the next
+    restore is done (``start_frees``; freeing the pages of an aborted 1 GB-per-rank engine took
+    ~1 s of a core here, py-spy, which the rebuild and the restore of the next round then
+    shared two cores with); ``await_frees`` starts and waits for it: every engine of the
+    process before it counts the store's free bytes, and at its close."""
     def run() -> None:
         for slot in slots:
             with contextlib.suppress(Exception):
@@ -82,7 +84,7 @@ def _release_later(slots: list[Slot], paths: list[Path]) -> None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
 
-    free_later(run, "aegis-slot-release")
+    free_later(run, "aegis-slot-release", defer=True)
 
 
 def format_bytes(n: float) -> str:

@@ -59,30 +59,50 @@ from aegis.snapshot.shard import (
 )
 
 __all__ = ["NodeStore", "Slot", "StepInfo", "PartialManifestError", "default_store_root", "is_store_full",
-           "await_frees", "free_later"]
+           "await_frees", "free_later", "start_frees"]
 
-# Pages freed on daemon threads (freeing 1 GB of tmpfs takes ~0.1 s here, off the recovery's
-# path): a restore's dropped steps (NodeStore.remove_step(later=True), renamed first to this
-# prefix so no inventory sees them) and an aborted engine's slots (engine.abort). await_frees()
-# waits for them: a snapshot's free-space check and an engine's close.
+# Pages freed on daemon threads (freeing 1 GB of tmpfs takes ~0.1-0.8 s of a core here, off the
+# recovery's path): a restore's dropped steps (NodeStore.remove_step(later=True), renamed first
+# to this prefix so no inventory sees them) and an aborted engine's slots (engine.abort, deferred:
+# started by start_frees() once the next restore is done). await_frees() starts what is deferred
+# and waits for all of them: a snapshot's free-space check and an engine's close.
 _REMOVED = ".removed-"
 _frees: list[threading.Thread] = []
+_deferred: list[threading.Thread] = []  # in _frees too, not started yet
 _frees_lock = threading.Lock()
 _removal_ids = itertools.count()
 
 
-def free_later(fn: Callable[[], object], name: str) -> None:
-    """Run ``fn`` (a deletion, an unmap) on a daemon thread :func:`await_frees` waits for."""
+def free_later(fn: Callable[[], object], name: str, *, defer: bool = False) -> None:
+    """Run ``fn`` (a deletion, an unmap) on a daemon thread :func:`await_frees` waits for;
+    ``defer``: not before :func:`start_frees` (or :func:`await_frees`) is called."""
     t = threading.Thread(target=fn, name=name, daemon=True)
     with _frees_lock:
         _frees.append(t)
+        if defer:
+            _deferred.append(t)
+            return
     t.start()
 
 
+def start_frees() -> None:
+    """Start the deferred :func:`free_later` calls (a restore is done: the cores are free)."""
+    with _frees_lock:
+        start = list(_deferred)
+        _deferred.clear()
+    for t in start:
+        t.start()
+
+
 def await_frees() -> None:
-    """Wait until every :func:`free_later` started before this call is done."""
+    """Wait until every :func:`free_later` made before this call is done (the deferred ones
+    started first)."""
     with _frees_lock:
         pending = list(_frees)
+        start = list(_deferred)
+        _deferred.clear()
+    for t in start:
+        t.start()
     for t in pending:
         t.join()
     with _frees_lock:

@@ -38,7 +38,7 @@ from aegis.snapshot.durable import Uploader, UploadResult, clean_uncommitted, li
 from aegis.snapshot.engine import SnapshotEngine, SnapshotHandle, SnapshotResult, format_bytes
 from aegis.snapshot.engine_plan import thread_where
 from aegis.snapshot.manifest import Commit
-from aegis.snapshot.node_store import NodeStore
+from aegis.snapshot.node_store import NodeStore, start_frees
 from aegis.snapshot.objstore import open_store
 from aegis.snapshot.staging import Deferral
 from aegis.snapshot.transport import GlooTransport
@@ -338,19 +338,24 @@ class Manager:
         self._check_open()
         self.engine.wait()
         t0 = time.time()
-        result = restore_newest(
-            self.store,
-            self.group,
-            self.transport,
-            durable=self.durable_store,
-            node=self.node,
-            nodes=self.engine.nodes,
-            make_state=self.entries.state_dict,
-            check_state=self.entries.check_restore,
-            apply_state=self.entries.apply,
-            is_leader=self.engine.is_leader,
-            step=step,
-        )
+        try:
+            result = restore_newest(
+                self.store,
+                self.group,
+                self.transport,
+                durable=self.durable_store,
+                node=self.node,
+                nodes=self.engine.nodes,
+                make_state=self.entries.state_dict,
+                check_state=self.entries.check_restore,
+                apply_state=self.entries.apply,
+                is_leader=self.engine.is_leader,
+                step=step,
+            )
+        finally:
+            # what an aborted engine of this process (the last round's) left to free: now,
+            # with the restore off the cores
+            start_frees()
         self._restore_called = True
         self.last_restore = result
         if result is None:
