@@ -225,3 +225,47 @@ def test_a_snapshot_thread_says_where_it_is_while_a_teardown_waits_on_it() -> No
     release.set()
     worker.shutdown(wait=True, timeout=60)
     assert not worker.alive and worker.where() is None
+
+
+def _proc_rows(inodes: set[int]) -> list[tuple[str, str, str, int]]:
+    """This process's rows of /proc/net/tcp{,6}, as the kernel writes them."""
+    rows = []
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(name) as fh:
+            for line in list(fh)[1:]:
+                f = line.split()
+                if int(f[9]) in inodes:
+                    rows.append((f[1], f[2], f[3], int(f[9])))
+    return rows
+
+
+@pytest.mark.parametrize("family,host", [("AF_INET", "127.0.0.1"), ("AF_INET6", "::1")])
+def test_socket_endpoints_asked_of_each_socket_read_as_proc_writes_them(family: str, host: str) -> None:
+    """``_sockets.endpoints`` asks each of this process's sockets (no walk of the namespace's
+    table); what it returns is what /proc/net/tcp says of them, to the letter: a peer's
+    published endpoints are matched against it."""
+    import socket
+
+    from aegis.training.inprocess import _sockets
+
+    fam = getattr(socket, family)
+    try:
+        listener = socket.socket(fam, socket.SOCK_STREAM)
+        listener.bind((host, 0))
+    except OSError as e:  # no IPv6 loopback here
+        pytest.skip(f"{family} loopback unavailable: {e}")
+    listener.listen()
+    client = socket.create_connection(listener.getsockname()[:2])
+    server, _ = listener.accept()
+    try:
+        got = _sockets.endpoints()
+        mine = {ino for *_, ino in got}
+        ours = {ino for ino, fd in _sockets.my_sockets().items()
+                if fd in (listener.fileno(), client.fileno(), server.fileno())}
+        assert len(ours) == 3 and ours <= mine
+        assert sorted(r for r in got if r[3] in ours) == sorted(_proc_rows(ours))
+        states = sorted(r[2] for r in got if r[3] in ours)
+        assert states == [_sockets.TCP_ESTABLISHED] * 2 + [_sockets.TCP_LISTEN]
+    finally:
+        for s in (client, server, listener):
+            s.close()
