@@ -87,22 +87,20 @@ def free_later(fn: Callable[[], object], name: str, *, defer: bool = False) -> N
 
 def start_frees() -> None:
     """Start the deferred :func:`free_later` calls (a restore is done: the cores are free)."""
-    with _frees_lock:
-        start = list(_deferred)
+    with _frees_lock:  # started under the lock: no await_frees() can join one not started yet
+        for t in _deferred:
+            t.start()
         _deferred.clear()
-    for t in start:
-        t.start()
 
 
 def await_frees() -> None:
     """Wait until every :func:`free_later` made before this call is done (the deferred ones
     started first)."""
     with _frees_lock:
-        pending = list(_frees)
-        start = list(_deferred)
+        for t in _deferred:
+            t.start()
         _deferred.clear()
-    for t in start:
-        t.start()
+        pending = list(_frees)
     for t in pending:
         t.join()
     with _frees_lock:
@@ -111,6 +109,7 @@ def await_frees() -> None:
 
 def _remove_later(path: Path) -> None:
     free_later(lambda: shutil.rmtree(path, ignore_errors=True), "aegis-step-removal")
+
 
 # Names this module wrote itself and nothing else: ASCII digits only (``\d`` would take any
 # Unicode digit, "step-٠٠٠٠٠٠٠٧" too), matched in full (``$`` would allow a trailing newline).
