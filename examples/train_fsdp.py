@@ -205,7 +205,14 @@ def build_model(
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
-    model.to_empty(device=(mesh if mesh is not None else tp_mesh).device_type)
+    # every value is set next (init_weights, or the restore): under deterministic algorithms
+    # (main() turns them on) torch would fill the new memory with NaN first, for nothing
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    try:
+        model.to_empty(device=(mesh if mesh is not None else tp_mesh).device_type)
+    finally:
+        torch.utils.deterministic.fill_uninitialized_memory = fill
     if init:
         init_weights(model, seed)
     return model

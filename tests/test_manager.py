@@ -563,3 +563,37 @@ def test_optimizer_state_the_snapshot_lacks_is_never_left_uninitialised(
     assert not zeros_or_saved, f"state the snapshot lacks is not zeros: {sorted(zeros_or_saved)}"
     assert all(torch.equal(got[k], saved[k]) for k in saved if k in got)
     assert torch.equal(after, want), "the step after the restore differs from the uninterrupted one"
+
+
+def test_empty_optimizer_state_for_a_load_is_not_filled_under_deterministic_algorithms() -> None:
+    """``torch.use_deterministic_algorithms(True)`` fills every new empty tensor (NaN); the AdamW
+    moments a restore is about to overwrite are made without that fill (it cost a 1 GB-per-rank
+    in-process restore 1.1-2.2 s), the setting put back after, and state the snapshot lacks is
+    still zeros."""
+    from torch.overrides import TorchFunctionMode
+
+    from aegis import ModelOptimizerState
+
+    seen: list[bool] = []
+
+    class Watch(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func is torch.empty_like:
+                seen.append(bool(torch.utils.deterministic.fill_uninitialized_memory))
+            return func(*args, **(kwargs or {}))
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        with Watch():
+            ModelOptimizerState(model, opt).prepare_for_load(
+                lambda key: not key.startswith("optim.state.1."))  # the second layer: no state saved
+        assert torch.utils.deterministic.fill_uninitialized_memory is True
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert seen and not any(seen), seen  # every empty moment made unfilled
+    first = [opt.state[p] for p in model[0].parameters()]
+    assert all(set(st) == {"step", "exp_avg", "exp_avg_sq"} for st in first)
+    assert not any(p in opt.state for p in model[1].parameters())

@@ -23,8 +23,9 @@ Each entry has a *kind* (recorded in the manifest):
 
 from __future__ import annotations
 
+import contextlib
 import random
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -66,6 +67,23 @@ def _state_names(model: nn.Module) -> dict[torch.Tensor, str]:
         if len(fqns) == 1:
             out[p] = next(iter(fqns))
     return out
+
+
+@contextlib.contextmanager
+def unfilled() -> Iterator[None]:
+    """Empty tensors made meanwhile are left unfilled, also under
+    ``torch.use_deterministic_algorithms(True)``, which fills every new empty tensor (NaN) by
+    default: for tensors every byte of which is about to be written (a restore's destinations).
+    A 1 GB-per-rank in-process restore spent 1.1-2.2 s filling (and faulting in) the AdamW
+    moments it then overwrote (py-spy ``--native``: ``fill_empty_deterministic_`` under
+    ``empty_like``). The setting is the process's; it is put back on leaving."""
+    det = torch.utils.deterministic
+    before = det.fill_uninitialized_memory  # type: ignore[attr-defined]
+    det.fill_uninitialized_memory = False  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        det.fill_uninitialized_memory = before  # type: ignore[attr-defined]
 
 
 def _scalar_dtype() -> torch.dtype:
@@ -117,8 +135,8 @@ class ModelOptimizerState:
         keep that fallback.
 
         ``saved(key)`` says whether the snapshot holds ``key`` (this object's state-dict key,
-        such as ``optim.state.<fqn>.exp_avg``). A tensor the load will overwrite is made empty,
-        not zeroed: one pass over the memory fewer (~0.1 s per GB here; the first-touch page
+        such as ``optim.state.<fqn>.exp_avg``). A tensor the load will overwrite is made empty
+        (not filled under deterministic algorithms either: :func:`unfilled`), not zeroed: one pass over the memory fewer (~0.1 s per GB here; the first-touch page
         faults, most of the 0.88 s that zeroing 1.4 GB of AdamW moments took in a 2 GB restore,
         are then taken by the load). A parameter the snapshot holds no state for (it never had
         a gradient before it was taken) gets none, as in the run that saved it: giving it zeros
@@ -154,11 +172,14 @@ class ModelOptimizerState:
                     filled = held(p, fields)
                     if not p.requires_grad or filled is False:
                         continue
-                    make = torch.empty_like if filled else torch.zeros_like
                     st = optim.state[p]
                     st["step"] = torch.tensor(0.0, dtype=scalar)
                     for f in fields:
-                        st[f] = make(p, memory_format=torch.preserve_format)
+                        if filled:
+                            with unfilled():
+                                st[f] = torch.empty_like(p, memory_format=torch.preserve_format)
+                        else:
+                            st[f] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
     def _sources(self) -> tuple[list[Any], list[int], list[Any]]:
         """What the state dict is made of: the parameter and buffer objects, the data pointers of
