@@ -136,12 +136,13 @@ class ModelOptimizerState:
 
         ``saved(key)`` says whether the snapshot holds ``key`` (this object's state-dict key,
         such as ``optim.state.<fqn>.exp_avg``). A tensor the load will overwrite is made empty
-        (not filled under deterministic algorithms either: :func:`unfilled`), not zeroed: one pass over the memory fewer (~0.1 s per GB here; the first-touch page
-        faults, most of the 0.88 s that zeroing 1.4 GB of AdamW moments took in a 2 GB restore,
-        are then taken by the load). A parameter the snapshot holds no state for (it never had
-        a gradient before it was taken) gets none, as in the run that saved it: giving it zeros
-        made the state's keys differ from the snapshot's, and such a model could not be
-        restored at all. Anything else is zeros, as Adam's first step would make it.
+        (not filled under deterministic algorithms either: :func:`unfilled`), not zeroed: one
+        pass over the memory fewer (~0.1 s per GB here; the first-touch page faults, most of the
+        0.88 s that zeroing 1.4 GB of AdamW moments took in a 2 GB restore, are then taken by
+        the load). A parameter the snapshot holds no state for (it never had a gradient before
+        it was taken) gets none, as in the run that saved it: giving it zeros made the state's
+        keys differ from the snapshot's, and such a model could not be restored at all. Anything
+        else is zeros, as Adam's first step would make it.
 
         Args:
             saved: whether the snapshot to be loaded holds a key; None: unknown (zeros for all).
