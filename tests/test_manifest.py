@@ -206,6 +206,24 @@ def test_a_layout_read_again_is_checked_by_its_bytes_and_damage_is_still_found()
     assert mf.parse_layout(text, layout.digest) is not first  # evicted: parsed again
 
 
+def test_a_layout_this_process_wrote_is_read_back_without_parsing_and_damage_is_still_found(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from aegis.snapshot import node_manifest as mf
+    from aegis.snapshot.node_store import NodeStore
+
+    layout, _ = mf.split(sample())
+    store = NodeStore(tmp_path, layout.job)
+    store.create()
+    mf._layouts.clear()
+    store.write_layout(layout)
+    assert store.read_layout(layout.digest) is layout  # the object written: nothing parsed
+    # a damaged first copy: its bytes are parsed and rejected, the second copy serves
+    path = store.layout_path(layout.digest)
+    path.write_bytes(path.read_bytes().replace(b'"world_size":2', b'"world_size":3'))
+    notes: list[str] = []
+    assert store.read_layout(layout.digest, notes) is layout
+    assert notes and "damaged" in notes[0], notes
+
+
 def test_format4_damage_and_version_rules() -> None:
     from aegis.snapshot.node_manifest import Layout, load_node_manifest, split
 

@@ -54,7 +54,8 @@ def _restore(rank: int, world: int, root: str, nodes: list[str], replicas: int,
     full = _tensors(full_state(model, opt))
     mgr.close()
     return {"step": step, "sources": res.sources, "skipped": res.skipped,
-            "full": full if rank == 0 else None, "fetched": res.bytes_fetched}
+            "full": full if rank == 0 else None, "fetched": res.bytes_fetched,
+            "timings": res.timings, "page_faults": res.page_faults}
 
 
 def lose(root: Path, node: str) -> None:
@@ -78,6 +79,10 @@ def test_replacement_node_restores_from_peer_memory(store_dir: Path) -> None:
         assert tiers[r] == "local"
     # the replacement node now holds the committed step
     assert NodeStore(store_dir / "c", JOB).steps()[0].committed
+    # page faults per phase, one count for each timed phase (the restore event's page_faults)
+    for o in out:
+        assert set(o["page_faults"]) == {k[:-2] for k in o["timings"] if k != "total_s"}, o
+        assert all(isinstance(n, int) and n >= 0 for n in o["page_faults"].values()), o
 
 
 @pytest.mark.parametrize("damage", [False, True])

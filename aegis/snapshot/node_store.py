@@ -48,6 +48,7 @@ from aegis.snapshot.node_manifest import (
     assemble,
     load_node_manifest,
     parse_layout,
+    remember_layout,
 )
 from aegis.snapshot.shard import (
     FOOTER_SIZE,
@@ -342,6 +343,7 @@ class NodeStore:
         data = layout.to_json().encode()
         _atomic_write(path, data)
         _atomic_write(_second(path), data)  # every step of the plan needs it: two copies
+        remember_layout(data, layout)  # this process's restores read it without parsing it
 
     def prune_layouts(self) -> int:
         """Remove layouts no step directory's manifest names (run by the node leader when a new

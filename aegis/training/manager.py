@@ -380,6 +380,7 @@ class Manager:
             seconds=total,
             gbps=nbytes / total / 1e9 if total else 0.0,
             timings=result.timings,
+            page_faults=result.page_faults,
             sources=result.sources,
             skipped=result.skipped,
         )
