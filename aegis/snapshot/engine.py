@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from aegis import _fault
@@ -86,16 +85,6 @@ def _release_later(slots: list[Slot], paths: list[Path]) -> None:
                 os.unlink(path)
 
     free_later(run, "aegis-slot-release", defer=True)
-
-
-def _host_bytes(flat: dict[str, Any]) -> int:
-    """Bytes of the CPU tensors (a DTensor's local shard) among a flattened state's values."""
-    n = 0
-    for v in flat.values():
-        t = getattr(v, "_local_tensor", v)
-        if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-            n += t.numel() * t.element_size()
-    return n
 
 
 def format_bytes(n: float) -> str:
@@ -214,7 +203,6 @@ class SnapshotEngine:
         self.world = group.world
         self.keep = keep
         self.chunk_bytes = chunk_bytes
-        self.host_bytes = 0  # this rank's state tensors in host memory, as of the last plan
         self.node = node
         self.on_result = on_result
         self.mesh = mesh or {}
@@ -324,7 +312,6 @@ class SnapshotEngine:
             self._plan = self._make_plan(planner, fingerprint, cached[1] if reuse and cached else None)
             self._layout = None  # a new plan, a new layout (built at its first commit)
             self._plan.fast = _fast_resolvable(flat, self._plan.layout)
-            self.host_bytes = _host_bytes(flat)
             plan_s = time.perf_counter() - tp
             any_changed = not reuse  # a reused plan: the planner is set up below when needed
         assert self._plan is not None

@@ -127,37 +127,6 @@ def retain_freed_memory() -> bool:
     return ok
 
 
-def prefault_heap(nbytes: int, *, block: int = 16 << 20) -> int:
-    """Write ``nbytes`` of new malloc memory and free it again: with
-    :func:`retain_freed_memory` in effect it stays in the process's heap, its pages faulted in,
-    for the next allocations (a larger state after the world shrank), which then write into
-    pages already there. Returns the bytes written: 0 without retained memory (the pages would
-    go back to the system) or when the host has less than twice ``nbytes`` available (a reserve
-    must never be what runs the host out of memory); a ``MemoryError`` stops it early."""
-    if nbytes <= 0 or _retained != [True] or _available_bytes() < 2 * nbytes:
-        return 0
-    import torch
-
-    blocks = []
-    with contextlib.suppress(MemoryError, RuntimeError):  # torch's out-of-memory is a RuntimeError
-        for _ in range(-(-nbytes // block)):
-            t = torch.empty(block, dtype=torch.uint8)  # under RETAIN_MAX_BYTES: from the heap
-            t.fill_(0)
-            blocks.append(t)
-    written = len(blocks) * block
-    del blocks
-    return written
-
-
-def _available_bytes() -> int:
-    """The host's available memory (``MemAvailable``), 0 where it cannot be read."""
-    with contextlib.suppress(OSError, ValueError), open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def map_file(fd: int, length: int, *, write: bool, populate: bool) -> mmap.mmap:
     """A shared mapping of ``length`` bytes of the file ``fd`` (0: the whole file), its pages
     faulted in at once when ``populate``, with the GIL released.

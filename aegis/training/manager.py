@@ -493,14 +493,7 @@ class Manager:
             return None
         handle = self.engine.save(step, self.entries.state_dict)
         inprocess.Round.saves += 1
-        self._reserve()
         return self._joined(handle)
-
-    def _reserve(self) -> None:
-        """In-process recovery, the round's first snapshot: the host memory a shrink adds to this
-        rank's state, faulted in beside training (``inprocess.reserve_for_shrink``)."""
-        if inprocess.Round.saves == 1 and inprocess.in_process_round():
-            inprocess.reserve_for_shrink(self.engine.host_bytes, self.world)
 
     def _joined(self, handle: SnapshotHandle | None) -> SnapshotHandle | None:
         """In-process recovery: processes wait to join (every rank saw the same count through the
@@ -533,7 +526,6 @@ class Manager:
 
         handle = self.engine.save(step, state_dict)
         inprocess.Round.saves += 1
-        self._reserve()
         self._last_snap_step = step
         self._auto_ref = (time.perf_counter(), step)
         return self._joined(handle)

@@ -50,9 +50,6 @@ from aegis.training.inprocess.round import (
     joiners_waiting,
     register_manager,
 )
-from aegis.training.inprocess.round import (
-    reserve_for_shrink as reserve_for_shrink,  # the Manager's, after a round's first snapshot
-)
 
 __all__ = ["World", "run_in_process", "RecoveryGaveUp", "Regroup", "PeerLost", "is_peer_failure"]
 

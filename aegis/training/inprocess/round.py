@@ -185,37 +185,6 @@ def take_managers() -> list[Any]:
     return out
 
 
-RESERVE_MIN = 64 << 20  # smaller growths fault in within ~0.05 s here: not reserved
-
-
-def reserve_for_shrink(host_bytes: int, world: int) -> threading.Thread | None:
-    """After a round's first snapshot: fault in, on a thread of its own, the host memory this
-    rank's state grows by when the next round has one node fewer, and free it into the heap
-    that ``run_in_process`` keeps (``hostmem.retain_freed_memory``), so that the next round's
-    state is built and restored into pages already written, not first-touch ones (0.5-1.2 s
-    per GB here; ``bench/recovery.py`` at 1 GB per rank, world 2 -> 1: 0 to 246 K page faults in
-    the survivor's load from run to run, as much of its heap as the last round happened to
-    leave). ``host_bytes``: the round's state held in host memory by this rank (state on a GPU
-    grows there, not here). Growth ``host_bytes * per_node / (world - per_node)``: the whole
-    state again at world 2, 1/(W - 1) of it at W one-rank nodes: the cost falls with the world
-    size (resident memory that much higher from the first snapshot on, once per round; the
-    writing runs beside training). None when no node can be lost (world <= ranks per node) or
-    the growth is under :data:`RESERVE_MIN` (first-touch costs milliseconds there, and each
-    round's block, freed among the heap's other blocks, moved the process's resident memory up
-    by a block per round: ``tests/test_inprocess.py``, ten rounds of a tiny model)."""
-    from aegis.snapshot import hostmem
-
-    per = max(1, Round.per_node)
-    if host_bytes <= 0 or world <= per:
-        return None
-    grow = host_bytes * per // (world - per)
-    if grow < RESERVE_MIN:
-        return None
-    t = threading.Thread(target=hostmem.prefault_heap, args=(grow,), name="aegis-reserve", daemon=True)
-    t.start()
-    return t
-
-
 def in_process_round() -> bool:
     """True in the thread that runs ``train`` of a round (a Manager built there joins it)."""
     return bool(getattr(_active, "on", False))
