@@ -89,12 +89,7 @@ def retain_freed_memory() -> bool:
     arena unmaps each of its 64 MiB heaps that becomes wholly free whatever the trim threshold.
     So every thread allocates from the main heap (``M_ARENA_MAX`` 1): a world-1 rebuild and
     restore of 2 GB after 1 GB was freed by another thread faulted 0.34 M pages building the
-    model and 0.17 M writing the state, against none and 0.12 M with one arena (issue 39). Call
-    it before the process starts threads: glibc applies the limit when a thread first needs an
-    arena, and then shares out the arenas that exist by then, not only the main one (called
-    after ``run_in_process`` had started its store, liveness and heartbeat threads, the
-    survivor's world-1 load in ``bench/recovery.py`` still faulted 0.25-0.49 M of its 0.51 M
-    pages in two runs of three).
+    model and 0.17 M writing the state, against none and 0.12 M with one arena (issue 39).
 
     Costs: the process's resident memory stays at its peak (what it freed is kept, not
     returned); tensors over 32 MiB are still mapped and unmapped one by one; threads that

@@ -450,10 +450,6 @@ def run_in_process(
     if dist.is_initialized():
         raise ConfigError("run_in_process() creates the process groups itself: call it instead of "
                           "init_process_group(), not after it")
-    # what a round frees (its model and optimizer state) is kept for the next round's, which the
-    # restore then writes into pages already faulted in (hostmem.retain_freed_memory): before
-    # this function starts any thread, so that every thread allocates from the one heap
-    hostmem.retain_freed_memory()
     ab = _abandon.for_backend(backend)
     for line in check_nccl_env(backend, collective_timeout, dead_after_s):
         print(f"[aegis] {line}", flush=True)
@@ -519,6 +515,9 @@ def run_in_process(
     # round's model at its teardown scans only what was made since (measured here, idle: 53 ms
     # -> under 1 ms; the campaign's teardowns, 6 ranks on 2 cores, took 0.3-0.8 s)
     gc.freeze()
+    # what a round frees (its model and optimizer state) is kept for the next round's, which the
+    # restore then writes into pages already faulted in (hostmem.retain_freed_memory)
+    hostmem.retain_freed_memory()
     try:
         while True:
             t0 = time.perf_counter()
