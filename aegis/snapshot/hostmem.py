@@ -68,43 +68,36 @@ def _madvise_populate(address: int, nbytes: int, *, write: bool) -> bool:
         return False
 
 
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8  # glibc's mallopt parameters
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 RETAIN_MAX_BYTES = 32 << 20  # glibc refuses a larger M_MMAP_THRESHOLD on 64-bit hosts
 _retained: list[bool] = []
 
 
 def retain_freed_memory() -> bool:
-    """Keep the memory this process frees for its own later allocations, whichever thread
-    makes them (glibc's malloc: blocks up to 32 MiB, from one heap that is never trimmed), so
-    that a later allocation reuses pages already faulted in instead of new ones.
+    """Keep the memory this process frees for its own later allocations (glibc's malloc: blocks
+    up to 32 MiB from its heaps, which are never trimmed), so that a later allocation reuses
+    pages already faulted in instead of new ones.
 
     For in-process recovery (``run_in_process`` calls it once): a survivor frees its round's
     model and optimizer state at the teardown and builds the next round's, larger when the world
     shrank, which the restore then writes. By default glibc maps each block over its threshold
     (128 KiB, raised by the blocks freed) apart and unmaps it when freed, so much of the new
     state is first-touch pages, faulted in by the restore's copy: here a 1 GB copy took 1.15 s
-    into fresh memory against 0.34 s into reused (``bench/first_touch.py``). Each round also
-    runs in a thread of its own, and glibc gives threads arenas of their own: the next round's
-    thread allocated from another arena than the one holding the freed state, and a thread's
-    arena unmaps each of its 64 MiB heaps that becomes wholly free whatever the trim threshold.
-    So every thread allocates from the main heap (``M_ARENA_MAX`` 1): a world-1 rebuild and
-    restore of 2 GB after 1 GB was freed by another thread faulted 0.34 M pages building the
-    model and 0.17 M writing the state, against none and 0.12 M with one arena (issue 39).
+    into fresh memory against 0.34 s into reused (``bench/first_touch.py``), and a world-1
+    restore of 2 GB after 1 GB was freed 1.64 s without this call against 1.32 s with it. Cost:
+    the process's resident memory stays at its peak (what it freed is kept, not returned);
+    tensors over 32 MiB are still mapped and unmapped one by one. Nothing grows with the world
+    size.
 
-    Costs: the process's resident memory stays at its peak (what it freed is kept, not
-    returned); tensors over 32 MiB are still mapped and unmapped one by one; threads that
-    allocate at the same moment take turns at one lock (glibc's per-arena lock; the training
-    thread's allocations are few and large, the background threads' fewer). Nothing grows with
-    the world size.
-
-    Left alone (False) when the user chose for malloc (``MALLOC_MMAP_THRESHOLD_``,
-    ``MALLOC_TRIM_THRESHOLD_`` or ``MALLOC_ARENA_MAX`` set, or ``AEGIS_RETAIN_FREED_MEMORY=0``),
-    or where there is no glibc ``mallopt`` (another libc, not Linux). Idempotent."""
+    Left alone (False) when the user chose for malloc (``MALLOC_MMAP_THRESHOLD_`` or
+    ``MALLOC_TRIM_THRESHOLD_`` set, or ``AEGIS_RETAIN_FREED_MEMORY=0``), or where there is no
+    glibc ``mallopt`` (another libc, not Linux). Idempotent."""
     if _retained:
         return _retained[0]
     ok = False
     if (os.environ.get("AEGIS_RETAIN_FREED_MEMORY", "1").strip().lower() not in ("0", "false", "no")
-            and not {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX"} & set(os.environ)):
+            and "MALLOC_MMAP_THRESHOLD_" not in os.environ
+            and "MALLOC_TRIM_THRESHOLD_" not in os.environ):
         with contextlib.suppress(OSError, AttributeError):
             import platform
 
@@ -113,11 +106,9 @@ def retain_freed_memory() -> bool:
                 libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
                 libc.mallopt.restype = ctypes.c_int
                 # the trim threshold first: a fixed M_MMAP_THRESHOLD also ends glibc's dynamic
-                # adjustment of both; the arena limit holds for threads' first allocations
-                # from now on (this thread's arena, the main one, is kept)
+                # adjustment of both
                 ok = (libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1
-                      and libc.mallopt(_M_MMAP_THRESHOLD, RETAIN_MAX_BYTES) == 1
-                      and libc.mallopt(_M_ARENA_MAX, 1) == 1)
+                      and libc.mallopt(_M_MMAP_THRESHOLD, RETAIN_MAX_BYTES) == 1)
     _retained.append(ok)
     return ok
 
