@@ -186,3 +186,23 @@ def test_a_checksum_given_with_the_data_is_the_objects_checksum(store: ObjectSto
     if isinstance(store, S3Store):
         head = store.client.head_object(Bucket=store.bucket, Key=store._key("j/ok"), ChecksumMode="ENABLED")
         assert head["ChecksumCRC32C"] == base64.b64encode(crc.crc32c(data).to_bytes(4, "big")).decode()
+
+
+def test_a_directory_listing_skips_an_object_deleted_while_it_lists(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Retention deletes a step's chunks while another process lists the store (found by
+    test_kill's poll: a FileNotFoundError out of ``list``): the object the walk saw but that is
+    gone by its stat is not listed, as S3's listing would not list it."""
+    store = open_store(f"file://{tmp_path}/d")
+    store.put("a/1", b"x")
+    store.put("a/2", b"yy")
+    walk = os.walk
+
+    def walk_then_delete(top, *args, **kwargs):  # type: ignore[no-untyped-def]
+        for dirpath, dirs, files in walk(top, *args, **kwargs):
+            if "1" in files:
+                (Path(dirpath) / "1").unlink()  # gone between the walk and the stat
+            yield dirpath, dirs, files
+
+    monkeypatch.setattr(os, "walk", walk_then_delete)
+    assert [(o.key, o.size) for o in store.list("a/")] == [("a/2", 2)]

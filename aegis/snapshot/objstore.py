@@ -347,7 +347,11 @@ class FileStore(ObjectStore):
                     full = Path(dirpath) / name
                     key = full.relative_to(base).as_posix()
                     if key.startswith(prefix):
-                        out.append(ObjectInfo(key, full.stat().st_size))
+                        try:
+                            size = full.stat().st_size
+                        except FileNotFoundError:  # deleted since the walk saw it (a prune):
+                            continue  # not listed, as S3 would not list it
+                        out.append(ObjectInfo(key, size))
         self.stats.requests += 1
         yield from sorted(out, key=lambda o: o.key)
 
