@@ -163,13 +163,17 @@ def parse_layout(text: bytes, digest: str, *, where: str = "layout") -> Layout:
             raise ManifestError(f"{where} does not hash to its name ({layout.digest}): damaged")
         if raw_ok:  # the canonical bytes: their document's digest is the name (round trip)
             object.__setattr__(layout, "digest", digest)
-        _layouts.pop(key, None)
-        while len(_layouts) >= _LAYOUT_CACHE_SIZE:
-            _layouts.pop(next(iter(_layouts)))
-    else:
-        del _layouts[key]  # re-inserted below: the most recently used is last
-    _layouts[key] = layout
+    _cache_layout(key, layout)
     return layout
+
+
+def _cache_layout(key: bytes, layout: Layout) -> None:
+    """``layout`` under ``key`` (the sha256 of its file's bytes), the most recently used, the
+    oldest dropped past :data:`_LAYOUT_CACHE_SIZE`."""
+    _layouts.pop(key, None)  # re-inserted below: the most recently used is last
+    while len(_layouts) >= _LAYOUT_CACHE_SIZE:
+        _layouts.pop(next(iter(_layouts)))
+    _layouts[key] = layout
 
 
 def remember_layout(text: bytes, layout: Layout) -> None:
@@ -180,11 +184,7 @@ def remember_layout(text: bytes, layout: Layout) -> None:
     Bytes other than these, a damaged copy's, are still parsed and checked."""
     import hashlib
 
-    key = hashlib.sha256(text).digest()
-    _layouts.pop(key, None)
-    while len(_layouts) >= _LAYOUT_CACHE_SIZE:
-        _layouts.pop(next(iter(_layouts)))
-    _layouts[key] = layout
+    _cache_layout(hashlib.sha256(text).digest(), layout)
 
 
 @dataclass(frozen=True)
